@@ -1,0 +1,46 @@
+# raylora: the two commands (see README.md). Both set everything up from a fresh clone.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: install model adapters serve demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# CPU torch pinned first: an unpinned torch would pull a multi-GB CUDA build
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: install
+	$(BIN)/python scripts/fetch_model.py
+
+adapters: model
+	$(BIN)/python scripts/train_demo_adapters.py
+
+# The main job: the OpenAI-compatible Serve app on http://127.0.0.1:8000 (default model + demo adapters)
+serve: adapters
+	$(BIN)/serve run serve_app:app
+
+# Terminal demo: stream a chat answer from the engine, with and without a demo adapter
+demo: adapters
+	$(BIN)/python scripts/chat_demo.py "What is the capital of France?"
+	$(BIN)/python scripts/chat_demo.py --lora caps "What is the capital of France?"
+
+test: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+lint: install
+	$(BIN)/ruff check .
+
+bench: model
+	$(BIN)/python benchmarks/engine_throughput.py
+	$(BIN)/python benchmarks/lora_overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,498 @@
+"""Discrete-event simulator of multi-LoRA routing over a fleet of engine replicas.
+
+Each replica models the engine scheduler: at most `max_num_seqs` requests running, at most
+`max_loras` distinct adapters among them (base requests take no slot), adapter tiers
+disk -> CPU cache (LRU, `max_cpu_loras`) -> GPU slots. A waiting request whose adapter cannot
+get a slot is skipped and keeps its place (oldest admissible request first); if the oldest
+waiting request has waited `starvation_ms` for a slot, the replica drains (admits no adapter
+requests) until a slot frees. Service: a request admitted with b requests running takes
+prefill_tokens * prefill_ms_per_token to its first token, then output_tokens steps of
+decode_ms_per_token * (1 + batch_slowdown * (b - 1)). Loading an adapter into a slot takes
+cpu_load_ms (hit in the CPU cache) or disk_load_ms (cold); requests for that adapter start
+when it is ready. Simplifications: the batch size is fixed at admission; a load delays only
+the requests that need the adapter (vLLM's load stalls the whole step, so real loads cost more).
+
+Routing sees exact per-replica load (running + waiting, what Ray's queue-length cache tracks)
+and residency. Each policy returns ranked tiers like Ray's `choose_replicas`; the request
+goes to the least loaded replica of the first tier with one under `max_ongoing_requests`,
+else to the least loaded replica (standing in for Ray's retry with backoff).
+
+Utilisation = arrival rate / fleet capacity, capacity = n * max_num_seqs / (service time of a
+mean request at a full batch, no adapter loads).
+
+    python -m cluster.sim --replicas 16 --slots 8 --adapters 1000 --zipf 1.1 \
+        --requests 50000 --plot docs/img/routing_sim.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import heapq
+import itertools
+import random
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field, replace
+
+from deployments.routing_policy import ReplicaView, power_of_two, rank_replicas
+
+POLICIES = ("affinity", "p2c", "ray_multiplex", "round_robin", "random")
+
+
+@dataclass(slots=True)
+class SimConfig:
+    num_replicas: int = 16
+    max_loras: int = 8  # GPU adapter slots per replica
+    max_cpu_loras: int = 64  # CPU cache per replica (holds slot adapters too): ~1000/16
+    max_num_seqs: int = 16  # 2 running requests per slot
+    max_ongoing_requests: int = 32  # Ray's per-replica cap used when routing: 2 x max_num_seqs
+    num_adapters: int = 1000
+    zipf_s: float = 1.1
+    base_fraction: float = 0.1  # requests for the base model (no adapter)
+    num_requests: int = 50_000
+    utilization: float = 0.7
+    prompt_tokens: int = 512  # mean; uniform in [mean/2, 3*mean/2]
+    output_tokens: int = 128  # mean; uniform in [mean/2, 3*mean/2]
+    # Placeholders until calibrated against benchmarks/ (docs/routing.md says which).
+    prefill_ms_per_token: float = 0.05
+    decode_ms_per_token: float = 12.0  # one decode step at batch size 1
+    batch_slowdown: float = 0.02  # step time grows by this fraction per extra running seq
+    cpu_load_ms: float = 3.0  # CPU cache -> GPU slot
+    disk_load_ms: float = 150.0  # disk -> CPU cache -> GPU slot
+    starvation_ms: float = 500.0
+    load_bound_c: float = 1.25
+    seed: int = 0
+
+    def mean_service_ms_full_batch(self) -> float:
+        step = self.decode_ms_per_token * (1 + self.batch_slowdown * (self.max_num_seqs - 1))
+        return self.prompt_tokens * self.prefill_ms_per_token + self.output_tokens * step
+
+    def arrival_rate_per_ms(self) -> float:
+        capacity = self.num_replicas * self.max_num_seqs / self.mean_service_ms_full_batch()
+        return self.utilization * capacity
+
+
+@dataclass(slots=True)
+class Request:
+    seq: int  # arrival order
+    adapter: str  # "" = base model
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+    ttft: float = -1.0
+    finish: float = -1.0
+
+
+class Replica:
+    """The engine scheduler of one replica, as far as routing cares."""
+
+    def __init__(self, replica_id: str, cfg: SimConfig, check: bool) -> None:
+        self.replica_id = replica_id
+        self.cfg = cfg
+        self.check = check
+        self.num_running = 0
+        self.running_by_adapter: dict[str, int] = {}  # adapter -> running requests
+        self.slots: OrderedDict[str, float] = OrderedDict()  # adapter -> ready time; LRU order
+        self.cpu: OrderedDict[str, None] = OrderedDict()  # LRU
+        self.queues: dict[str, deque[Request]] = {}  # adapter -> waiting, oldest first
+        self.heads: list[tuple[int, str]] = []  # (seq of a queue head, adapter); lazy
+        self.num_waiting = 0
+        self.num_served = 0
+        self.slot_loads = 0
+        self.disk_loads = 0
+        self.load_area = 0.0  # integral of (running + waiting) dt
+        self.running_area = 0.0  # integral of running dt
+        self._last_t = 0.0
+        self._view: ReplicaView | None = None
+
+    @property
+    def load(self) -> int:
+        return self.num_running + self.num_waiting
+
+    def view(self) -> ReplicaView:
+        if self._view is None or self._view.load != self.load:
+            self._view = ReplicaView(
+                self.replica_id, self.load, frozenset(self.slots), frozenset(self.cpu)
+            )
+        return self._view
+
+    def _tick(self, now: float) -> None:
+        self.load_area += self.load * (now - self._last_t)
+        self.running_area += self.num_running * (now - self._last_t)
+        self._last_t = now
+
+    def enqueue(self, req: Request, now: float) -> None:
+        self._tick(now)
+        q = self.queues.setdefault(req.adapter, deque())
+        if not q:
+            heapq.heappush(self.heads, (req.seq, req.adapter))
+        q.append(req)
+        self.num_waiting += 1
+        self._view = None
+
+    def _oldest(self) -> tuple[int, str] | None:
+        while self.heads:
+            seq, adapter = self.heads[0]
+            q = self.queues.get(adapter)
+            if q and q[0].seq == seq:
+                return seq, adapter
+            heapq.heappop(self.heads)
+        return None
+
+    def _can_get_slot(self) -> bool:
+        return len(self.slots) < self.cfg.max_loras or any(
+            self.running_by_adapter.get(a, 0) == 0 for a in self.slots
+        )
+
+    def _acquire_slot(self, adapter: str, now: float) -> float:
+        """Load `adapter` into a free or idle slot; return when it is ready."""
+        cfg = self.cfg
+        if len(self.slots) >= cfg.max_loras:
+            idle = next(a for a in self.slots if self.running_by_adapter.get(a, 0) == 0)
+            del self.slots[idle]
+        if adapter in self.cpu:
+            self.cpu.move_to_end(adapter)
+            ready = now + cfg.cpu_load_ms
+        else:
+            self.disk_loads += 1
+            self.cpu[adapter] = None
+            if len(self.cpu) > cfg.max_cpu_loras:
+                victim = next(a for a in self.cpu if a not in self.slots and a != adapter)
+                del self.cpu[victim]
+            ready = now + cfg.disk_load_ms
+        self.slot_loads += 1
+        self.slots[adapter] = ready
+        if self.check:
+            assert len(self.slots) <= cfg.max_loras
+        return ready
+
+    def _pop(self, adapter: str) -> Request:
+        q = self.queues[adapter]
+        req = q.popleft()
+        if q:
+            heapq.heappush(self.heads, (q[0].seq, adapter))
+        self.num_waiting -= 1
+        return req
+
+    def schedule(self, now: float) -> list[Request]:
+        """Admit the oldest admissible waiting requests; return them with finish times set."""
+        cfg = self.cfg
+        self._tick(now)
+        started: list[Request] = []
+        while self.num_running < cfg.max_num_seqs and self.num_waiting:
+            oldest = self._oldest()
+            assert oldest is not None
+            seq, adapter = oldest
+            if adapter and adapter not in self.slots and not self._can_get_slot():
+                # Oldest admissible among base and slot-holding adapters, unless the
+                # oldest request has starved for a slot: then drain (base only).
+                starving = now - self.queues[adapter][0].arrival > cfg.starvation_ms
+                pick = None
+                for a in ("", *self.slots) if not starving else ("",):
+                    q = self.queues.get(a)
+                    if q and (pick is None or q[0].seq < pick[0]):
+                        pick = (q[0].seq, a)
+                if pick is None:
+                    break
+                adapter = pick[1]
+            req = self._pop(adapter)
+            ready = now
+            if adapter:
+                if adapter not in self.slots:
+                    ready = self._acquire_slot(adapter, now)
+                else:
+                    self.slots.move_to_end(adapter)
+                    self.cpu.move_to_end(adapter)
+                    ready = max(now, self.slots[adapter])
+                self.running_by_adapter[adapter] = self.running_by_adapter.get(adapter, 0) + 1
+            self.num_running += 1
+            if self.check:
+                active = sum(1 for n in self.running_by_adapter.values() if n > 0)
+                assert active <= cfg.max_loras and self.num_running <= cfg.max_num_seqs
+            step = cfg.decode_ms_per_token * (1 + cfg.batch_slowdown * (self.num_running - 1))
+            first = ready + req.prompt_tokens * cfg.prefill_ms_per_token
+            req.ttft = first - req.arrival
+            req.finish = first + req.output_tokens * step
+            started.append(req)
+        self._view = None
+        return started
+
+    def complete(self, req: Request, now: float) -> None:
+        self._tick(now)
+        self.num_running -= 1
+        self.num_served += 1
+        if req.adapter:
+            self.running_by_adapter[req.adapter] -= 1
+        self._view = None
+
+
+def _pick(tiers: list[list[Replica]], replicas: list[Replica], cap: int) -> Replica:
+    for tier in tiers:
+        best = None
+        for r in tier:
+            if r.load < cap and (best is None or r.load < best.load):
+                best = r
+        if best is not None:
+            return best
+    return min(replicas, key=lambda r: r.load)
+
+
+class Router:
+    def __init__(self, policy: str, replicas: list[Replica], cfg: SimConfig) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; choose from {POLICIES}")
+        self.policy = policy
+        self.replicas = replicas
+        self.by_id = {r.replica_id: r for r in replicas}
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed + 1)
+        self.rr = itertools.cycle(replicas)
+
+    def route(self, adapter: str) -> Replica:
+        reps, rng = self.replicas, self.rng
+        if self.policy == "affinity":
+            views = [r.view() for r in reps]
+            ranked = rank_replicas(adapter, views, load_bound_c=self.cfg.load_bound_c, rng=rng)
+            tiers = [[self.by_id[v.replica_id] for v in t] for t in ranked]
+        elif self.policy == "p2c":
+            tiers = [
+                [self.by_id[v.replica_id] for v in power_of_two([r.view() for r in reps], rng)[0]]
+            ]
+        elif self.policy == "ray_multiplex":
+            tiers = self._ray_multiplex(adapter)
+        elif self.policy == "round_robin":
+            tiers = [[next(self.rr)]]
+        else:
+            tiers = [[rng.choice(reps)]]
+        return _pick(tiers, reps, self.cfg.max_ongoing_requests)
+
+    def _ray_multiplex(self, adapter: str) -> list[list[Replica]]:
+        """Ray's PowerOfTwoChoicesRequestRouter with a multiplexed model id.
+
+        apply_multiplex_routing: two random replicas among those that report the model id
+        (here: the adapter is in their CPU cache); if none, or both are full, two random
+        among the replicas with the fewest models; then two random among all.
+        Base requests: two random replicas.
+        """
+        reps, rng = self.replicas, self.rng
+
+        def two(pool: list[Replica]) -> list[Replica]:
+            return rng.sample(pool, 2) if len(pool) > 2 else list(pool)
+
+        if not adapter:
+            return [two(reps)]
+        fewest_n = min(len(r.cpu) for r in reps)
+        fewest = [r for r in reps if len(r.cpu) == fewest_n]
+        holders = [r for r in reps if adapter in r.cpu]
+        return ([two(holders)] if holders else []) + [two(fewest), two(reps)]
+
+
+@dataclass
+class SimResult:
+    policy: str
+    cfg: SimConfig
+    num_completed: int
+    slot_loads_per_1k: float
+    disk_loads_per_1k: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    served_max_over_mean: float
+    queue_max_over_mean: float  # time-averaged ongoing requests, max replica / mean
+    mean_running: float  # time-averaged running requests per replica (batch occupancy)
+    wall_s: float
+    per_replica_served: list[int] = field(default_factory=list)
+
+
+def _workload(cfg: SimConfig):
+    rng = random.Random(cfg.seed)
+    weights = [1.0 / (k**cfg.zipf_s) for k in range(1, cfg.num_adapters + 1)]
+    cum = list(itertools.accumulate(weights))
+    total = cum[-1]
+    rate = cfg.arrival_rate_per_ms()
+    t = 0.0
+    for seq in range(cfg.num_requests):
+        t += rng.expovariate(rate)
+        if rng.random() < cfg.base_fraction:
+            adapter = ""
+        else:
+            k = min(bisect.bisect_left(cum, rng.random() * total), cfg.num_adapters - 1)
+            adapter = f"adapter-{k:04d}"
+        p = rng.randint(cfg.prompt_tokens // 2, cfg.prompt_tokens * 3 // 2)
+        o = rng.randint(max(1, cfg.output_tokens // 2), cfg.output_tokens * 3 // 2)
+        yield Request(seq, adapter, t, p, o)
+
+
+def _percentile(sorted_xs: list[float], q: float) -> float:
+    return sorted_xs[min(len(sorted_xs) - 1, int(q * len(sorted_xs)))]
+
+
+def simulate(policy: str, cfg: SimConfig, *, check: bool = False) -> SimResult:
+    """Run one policy over the workload of `cfg` (same seed -> same requests)."""
+    t0 = time.perf_counter()
+    replicas = [Replica(f"replica-{i:03d}", cfg, check) for i in range(cfg.num_replicas)]
+    router = Router(policy, replicas, cfg)
+    events: list[tuple[float, int, Request | None, Replica | None]] = []
+    tie = itertools.count()
+    arrivals = _workload(cfg)
+    done: list[Request] = []
+
+    def push_arrival() -> None:
+        req = next(arrivals, None)
+        if req is not None:
+            heapq.heappush(events, (req.arrival, next(tie), req, None))
+
+    def start(replica: Replica, now: float) -> None:
+        for req in replica.schedule(now):
+            heapq.heappush(events, (req.finish, next(tie), req, replica))
+
+    push_arrival()
+    now = 0.0
+    while events:
+        now, _, req, replica = heapq.heappop(events)
+        if replica is None:  # arrival
+            target = router.route(req.adapter)
+            target.enqueue(req, now)
+            start(target, now)
+            push_arrival()
+        else:  # completion
+            replica.complete(req, now)
+            done.append(req)
+            start(replica, now)
+
+    for r in replicas:
+        r._tick(now)
+        if check:
+            assert r.num_running == 0 and r.num_waiting == 0
+    ttfts = sorted(r.ttft for r in done)
+    served = [r.num_served for r in replicas]
+    areas = [r.load_area for r in replicas]
+    n = max(1, len(done))
+    return SimResult(
+        policy=policy,
+        cfg=cfg,
+        num_completed=len(done),
+        slot_loads_per_1k=1000 * sum(r.slot_loads for r in replicas) / n,
+        disk_loads_per_1k=1000 * sum(r.disk_loads for r in replicas) / n,
+        ttft_p50_ms=_percentile(ttfts, 0.50),
+        ttft_p99_ms=_percentile(ttfts, 0.99),
+        served_max_over_mean=max(served) / (sum(served) / len(served)),
+        queue_max_over_mean=max(areas) / max(1e-9, sum(areas) / len(areas)),
+        mean_running=sum(r.running_area for r in replicas) / max(1e-9, now) / len(replicas),
+        wall_s=time.perf_counter() - t0,
+        per_replica_served=served,
+    )
+
+
+def format_table(results: list[SimResult]) -> str:
+    head = (
+        f"{'policy':<14}{'loads/1k':>10}{'cold/1k':>9}{'ttft p50':>10}{'ttft p99':>10}"
+        f"{'served max/mean':>17}{'queue max/mean':>16}{'batch':>7}{'wall s':>8}"
+    )
+    rows = [head, "-" * len(head)]
+    for r in results:
+        rows.append(
+            f"{r.policy:<14}{r.slot_loads_per_1k:>10.1f}{r.disk_loads_per_1k:>9.1f}"
+            f"{r.ttft_p50_ms:>8.0f}ms{r.ttft_p99_ms:>8.0f}ms"
+            f"{r.served_max_over_mean:>17.2f}{r.queue_max_over_mean:>16.2f}"
+            f"{r.mean_running:>7.1f}{r.wall_s:>8.1f}"
+        )
+    return "\n".join(rows)
+
+
+def sweep(cfg: SimConfig, policies: list[str], zipfs: list[float], replicas: list[int]):
+    by_zipf = {p: [simulate(p, replace(cfg, zipf_s=s)) for s in zipfs] for p in policies}
+    by_n = {p: [simulate(p, replace(cfg, num_replicas=n)) for n in replicas] for p in policies}
+    return by_zipf, by_n
+
+
+def plot(path: str, cfg: SimConfig, policies, zipfs, replicas, by_zipf, by_n) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    panels = [
+        (axes[0][0], zipfs, by_zipf, "slot_loads_per_1k", "Zipf s", "adapter loads / 1k requests"),
+        (axes[0][1], zipfs, by_zipf, "ttft_p99_ms", "Zipf s", "p99 TTFT (ms)"),
+        (
+            axes[1][0],
+            replicas,
+            by_n,
+            "slot_loads_per_1k",
+            "replicas",
+            "adapter loads / 1k requests",
+        ),
+        (axes[1][1], replicas, by_n, "ttft_p99_ms", "replicas", "p99 TTFT (ms)"),
+    ]
+    for ax, xs, data, attr, xlabel, ylabel in panels:
+        for p in policies:
+            ax.plot(xs, [getattr(r, attr) for r in data[p]], marker="o", label=p)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if attr == "ttft_p99_ms":
+            ax.set_yscale("log")
+    axes[0][0].legend()
+    fig.suptitle(
+        f"{cfg.num_adapters} adapters, {cfg.max_loras} slots/replica, "
+        f"{cfg.utilization:.0%} utilisation, {cfg.num_requests} requests per point "
+        f"(top: {cfg.num_replicas} replicas; bottom: Zipf {cfg.zipf_s})"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--replicas", type=int, default=16)
+    ap.add_argument("--slots", type=int, default=8, help="max_loras per replica")
+    ap.add_argument("--cpu-loras", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--adapters", type=int, default=1000)
+    ap.add_argument("--zipf", type=float, default=1.1)
+    ap.add_argument("--base-fraction", type=float, default=0.1)
+    ap.add_argument("--requests", type=int, default=50_000)
+    ap.add_argument("--utilization", type=float, default=0.7)
+    ap.add_argument("--load-bound-c", type=float, default=1.25)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--plot", default=None, help="also run the sweep and save this PNG")
+    ap.add_argument("--sweep-requests", type=int, default=20_000)
+    ap.add_argument("--sweep-zipf", default="0.8,1.0,1.1,1.2,1.4")
+    ap.add_argument("--sweep-replicas", default="4,8,16,32")
+    args = ap.parse_args(argv)
+    cfg = SimConfig(
+        num_replicas=args.replicas,
+        max_loras=args.slots,
+        max_cpu_loras=args.cpu_loras,
+        max_num_seqs=args.max_num_seqs,
+        max_ongoing_requests=2 * args.max_num_seqs,
+        num_adapters=args.adapters,
+        zipf_s=args.zipf,
+        base_fraction=args.base_fraction,
+        num_requests=args.requests,
+        utilization=args.utilization,
+        load_bound_c=args.load_bound_c,
+        seed=args.seed,
+    )
+    policies = [p for p in args.policies.split(",") if p]
+    print(
+        f"{cfg.num_replicas} replicas x {cfg.max_loras} slots (cpu cache {cfg.max_cpu_loras}, "
+        f"max_num_seqs {cfg.max_num_seqs}), {cfg.num_adapters} adapters Zipf({cfg.zipf_s}), "
+        f"{cfg.base_fraction:.0%} base, {cfg.num_requests} requests at "
+        f"{cfg.utilization:.0%} utilisation ({1000 * cfg.arrival_rate_per_ms():.0f} req/s)"
+    )
+    print(format_table([simulate(p, cfg) for p in policies]))
+    if args.plot:
+        zipfs = [float(x) for x in args.sweep_zipf.split(",")]
+        ns = [int(x) for x in args.sweep_replicas.split(",")]
+        scfg = replace(cfg, num_requests=args.sweep_requests)
+        by_zipf, by_n = sweep(scfg, policies, zipfs, ns)
+        plot(args.plot, scfg, policies, zipfs, ns, by_zipf, by_n)
+        print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""AdapterAffinityRouter: Ray Serve request router that keeps each adapter on few replicas.
+
+It runs in every process that holds a handle to the LLMServer deployment (proxy, ingress
+replicas). The ranking itself is `deployments.routing_policy.rank_replicas`; this file only
+builds the `ReplicaView`s from what Ray and the AdapterRegistry know:
+
+- load: the router's queue-length cache (updated on every send, completion and probe),
+  else the replica's own `num_running + num_waiting` from `record_routing_stats`, else 0;
+- residency: the union of the replica's `record_routing_stats` lists (pushed through the
+  controller every `request_routing_stats_period_s`), the model ids it registered with
+  `serve.multiplexed`, and the AdapterRegistry snapshot, refreshed by a background task.
+
+Routing never waits on the registry: a failed or slow refresh keeps the previous snapshot,
+and a snapshot older than `registry_max_age_s` is ignored (the other sources still count).
+
+Configure through `request_router_config.request_router_kwargs`, which Ray passes to
+`initialize_state`:
+    load_bound_c (1.25), registry_refresh_s (2.0), registry_max_age_s (30.0),
+    use_registry (True), seed (None).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from deployments.routing_policy import DEFAULT_LOAD_BOUND_C, ReplicaView, rank_replicas
+
+logger = logging.getLogger("ray.serve")
+
+SnapshotFetch = Callable[[], Awaitable[dict]]
+
+
+async def _fetch_registry_snapshot() -> dict:
+    from deployments.registry import get_registry
+
+    # get_actor is a blocking GCS lookup: keep it off the event loop.
+    handle = await asyncio.to_thread(get_registry)
+    return await handle.snapshot.remote()
+
+
+class AdapterAffinityRouter(RequestRouter):
+    """Rendezvous hashing with bounded loads for adapter requests, power of two for base.
+
+    Tiers (see `rank_replicas`): the first replica in the adapter's hash order that holds
+    it and is under c x mean load; else the first under the bound; else all by load.
+    Ray then takes the first tier with a replica whose queue is not full.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.initialize_state()  # defaults; Ray calls it again with request_router_kwargs
+
+    def initialize_state(
+        self,
+        load_bound_c: float = DEFAULT_LOAD_BOUND_C,
+        registry_refresh_s: float = 2.0,
+        registry_max_age_s: float = 30.0,
+        use_registry: bool = True,
+        seed: int | None = None,
+        fetch_snapshot: SnapshotFetch | None = None,
+    ) -> None:
+        if load_bound_c < 1.0:
+            raise ValueError(f"load_bound_c must be >= 1, got {load_bound_c}")
+        self._load_bound_c = float(load_bound_c)
+        self._registry_refresh_s = float(registry_refresh_s)
+        self._registry_max_age_s = float(registry_max_age_s)
+        self._use_registry = bool(use_registry)
+        self._rng = random.Random(seed)
+        # Injectable so tests need no cluster; the clock is RequestRouter's get_curr_time_s.
+        self._fetch_snapshot: SnapshotFetch = fetch_snapshot or _fetch_registry_snapshot
+        self._snapshot: dict | None = None
+        self._snapshot_time: float | None = None
+        self._refresh_ok = True
+        if getattr(self, "_refresh_task", None) is not None:
+            self._refresh_task.cancel()
+        self._refresh_task: asyncio.Task | None = None
+
+    # -- registry snapshot ------------------------------------------------------------
+
+    async def refresh_registry_once(self) -> bool:
+        """Fetch one snapshot; on error keep the old one. Returns whether it succeeded."""
+        try:
+            snapshot = await self._fetch_snapshot()
+        except Exception as e:  # a restarting registry must not break routing
+            if self._refresh_ok:  # log once per run of failures, not every period
+                logger.warning(f"AdapterAffinityRouter: registry snapshot failed: {e!r}")
+            self._refresh_ok = False
+            return False
+        self._refresh_ok = True
+        self._snapshot = snapshot
+        self._snapshot_time = self._get_curr_time_s()
+        return True
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await self.refresh_registry_once()
+            await asyncio.sleep(self._registry_refresh_s)
+
+    def _ensure_refresh_task(self) -> None:
+        if not self._use_registry:
+            return
+        if self._refresh_task is None or self._refresh_task.done():
+            self._refresh_task = asyncio.get_running_loop().create_task(self._refresh_loop())
+
+    def _snapshot_residency(self) -> dict[str, dict]:
+        if self._snapshot is None or self._snapshot_time is None:
+            return {}
+        if self._get_curr_time_s() - self._snapshot_time > self._registry_max_age_s:
+            return {}
+        return self._snapshot.get("residency", {})
+
+    # -- views --------------------------------------------------------------------------
+
+    def _view(self, replica: RunningReplica, residency: dict[str, dict]) -> ReplicaView:
+        stats = replica.routing_stats or {}
+        slots = set(stats.get("adapters_in_slots", ()))
+        cpu = set(stats.get("adapters_in_cpu", ()))
+        cpu.update(replica.multiplexed_model_ids)
+        rid = replica.replica_id
+        reported = residency.get(rid.unique_id) or residency.get(rid.to_full_id_str())
+        if reported:
+            slots.update(reported.get("slots", ()))
+            cpu.update(reported.get("cpu", ()))
+        load = self._replica_queue_len_cache.get(rid)
+        if load is None:
+            load = stats.get("num_running", 0) + stats.get("num_waiting", 0)
+        return ReplicaView(rid.unique_id, float(load), frozenset(slots), frozenset(cpu))
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        self._ensure_refresh_task()
+        if not candidate_replicas:
+            return []
+        adapter_id = ""
+        if pending_request is not None:
+            adapter_id = pending_request.metadata.multiplexed_model_id or ""
+            # Back off between full passes over the tiers (Ray loops without sleeping
+            # while should_backoff is False).
+            pending_request.routing_context.should_backoff = True
+        residency = self._snapshot_residency()
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        views = [self._view(r, residency) for r in candidate_replicas]
+        tiers = rank_replicas(adapter_id, views, load_bound_c=self._load_bound_c, rng=self._rng)
+        return [[by_id[v.replica_id] for v in tier] for tier in tiers]

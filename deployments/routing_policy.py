@@ -1,0 +1,141 @@
+"""Adapter-affinity ranking: pure Python, no Ray, shared by the Serve router and the simulator.
+
+`rank_replicas` turns (adapter id, replica views) into ranked tiers, the shape Ray Serve's
+`RequestRouter.choose_replicas` returns: Ray takes the first tier that has a replica with
+room and, within a tier, the replica with the shortest queue.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+DEFAULT_LOAD_BOUND_C = 1.25
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """What the ranking knows about one replica."""
+
+    replica_id: str
+    load: float  # ongoing requests at the replica (running + waiting), as Ray counts them
+    adapters_in_slots: frozenset[str]
+    adapters_in_cpu: frozenset[str]
+
+    def holds(self, adapter_id: str) -> bool:
+        return adapter_id in self.adapters_in_slots or adapter_id in self.adapters_in_cpu
+
+
+def _weight(adapter_id: str, replica_id: str) -> int:
+    # blake2b, not hash(): the order must agree across processes (PYTHONHASHSEED differs).
+    key = f"{adapter_id}\x00{replica_id}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big")
+
+
+@lru_cache(maxsize=65536)
+def _rendezvous_order(adapter_id: str, replica_ids: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(sorted(replica_ids, key=lambda r: (-_weight(adapter_id, r), r)))
+
+
+def rendezvous_order(adapter_id: str, replica_ids: Sequence[str]) -> list[str]:
+    """Highest-random-weight order of `replica_ids` for `adapter_id`.
+
+    Stable across processes and restarts; removing a replica only removes it from the
+    order (every other pair keeps its relative position), adding one inserts it.
+    """
+    return list(_rendezvous_order(adapter_id, tuple(sorted(replica_ids))))
+
+
+def load_bound(total_load: float, num_replicas: int, c: float) -> int:
+    """Per-replica capacity for the next request: ceil(c * (total_load + 1) / n).
+
+    Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018): with the
+    incoming request counted, no replica may hold more than c times the mean. A replica is
+    under the bound when `load + 1 <= load_bound(...)`. On an idle cluster the bound is 1,
+    so every idle replica qualifies and the first choice in hash order wins.
+    """
+    return max(1, math.ceil(c * (total_load + 1) / num_replicas))
+
+
+def power_of_two(replicas: Sequence[ReplicaView], rng: random.Random) -> list[list[ReplicaView]]:
+    """Tier 0: two random replicas, least loaded first. Tier 1: the rest, by load."""
+    n = len(replicas)
+    if n <= 2:
+        order = list(replicas)
+        rng.shuffle(order)  # equal loads must not always favour the same replica
+        return [sorted(order, key=lambda r: r.load)]
+    i = rng.randrange(n)
+    j = rng.randrange(n - 1)
+    if j >= i:
+        j += 1
+    pair = sorted((replicas[i], replicas[j]), key=lambda r: r.load)
+    rest = sorted((r for k, r in enumerate(replicas) if k not in (i, j)), key=lambda r: r.load)
+    return [pair, rest] if rest else [pair]
+
+
+def rank_replicas(
+    adapter_id: str,
+    replicas: Sequence[ReplicaView],
+    *,
+    load_bound_c: float = DEFAULT_LOAD_BOUND_C,
+    rng: random.Random,
+) -> list[list[ReplicaView]]:
+    """Rank `replicas` for a request for `adapter_id` ("" = base model).
+
+    Base requests (adapter_id == ""):
+      tier 0: two random replicas, least loaded first (power of two choices);
+      tier 1: every other replica, least loaded first.
+
+    Adapter requests: walk the rendezvous order of `adapter_id` over the replicas, with
+    bound B = load_bound(total load, n, c) (a replica is under it if load + 1 <= B):
+      tier 0: the first replica in that order that has the adapter in a GPU slot and is
+              under the bound (no load at all);
+      tier 1: the first replica in that order that has it in its CPU cache and is under
+              the bound (a cheap CPU -> GPU load);
+      tier 2: the first replica in that order that is under the bound (a load from disk
+              if it is not there: where a cold adapter lands, on its first choice while
+              that has room);
+      tier 3: every other replica, least loaded first (all are over the bound, or the
+              tiers above rejected the request because their queues are full).
+    A hot adapter therefore spreads along its own order, one replica at a time, as its
+    holders pass the bound; a cold one stays on its first choice.
+
+    Empty tiers are left out; no replica appears twice.
+    """
+    if not replicas:
+        return []
+    if not adapter_id:
+        return power_of_two(replicas, rng)
+
+    by_id = {r.replica_id: r for r in replicas}
+    order = rendezvous_order(adapter_id, list(by_id))
+    bound = load_bound(sum(r.load for r in replicas), len(replicas), load_bound_c)
+    in_slots: ReplicaView | None = None
+    in_cpu: ReplicaView | None = None
+    first_free: ReplicaView | None = None
+    for replica_id in order:
+        r = by_id[replica_id]
+        if r.load + 1 > bound:
+            continue
+        if first_free is None:
+            first_free = r
+        if in_cpu is None and adapter_id in r.adapters_in_cpu:
+            in_cpu = r
+        if adapter_id in r.adapters_in_slots:
+            in_slots = r
+            break
+
+    tiers: list[list[ReplicaView]] = []
+    picked: set[str] = set()
+    for r in (in_slots, in_cpu, first_free):
+        if r is not None and r.replica_id not in picked:
+            tiers.append([r])
+            picked.add(r.replica_id)
+    rest = sorted((r for r in replicas if r.replica_id not in picked), key=lambda r: r.load)
+    if rest:
+        tiers.append(rest)
+    return tiers

@@ -1,0 +1,107 @@
+"""EngineConfig: the flat, user-facing knobs (vLLM names) and the validated sub-config tree."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    max_loras: int
+    # Anti-starvation: a waiting adapter request skipped for more than this many steps
+    # puts the scheduler in drain mode (see engine/scheduler.py).
+    lora_starvation_steps: int
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int
+    num_kv_blocks: int | None  # None: derived from kv_cache_memory_gb once the model is known
+    kv_cache_memory_gb: float
+
+
+@dataclass(slots=True)
+class LoRAConfig:
+    enable_lora: bool
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+    lora_backend: str  # "auto" (triton on CUDA, torch on CPU) | "torch" | "triton"
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str = "default"
+    tokenizer: str | None = None
+    max_model_len: int | None = None  # None: min(model's max_position_embeddings, 4096)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    enable_lora: bool = True
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 32
+    lora_backend: str = "auto"
+    lora_starvation_steps: int = 32
+    max_n: int = 16
+    dtype: str = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    seed: int = 0
+    scheduler: SchedulerConfig = field(init=False)
+    cache: CacheConfig = field(init=False)
+    lora: LoRAConfig = field(init=False)
+
+    def __post_init__(self) -> None:
+        positive = {
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "block_size": self.block_size,
+            "max_loras": self.max_loras,
+            "max_lora_rank": self.max_lora_rank,
+            "max_cpu_loras": self.max_cpu_loras,
+            "lora_starvation_steps": self.lora_starvation_steps,
+            "max_n": self.max_n,
+        }
+        for name, value in positive.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError("kv_cache_memory_gb must be > 0")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        if self.lora_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"lora_backend must be auto, torch or triton, got {self.lora_backend!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        self.scheduler = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len or 0,  # filled in by finalize()
+            max_loras=self.max_loras if self.enable_lora else 0,
+            lora_starvation_steps=self.lora_starvation_steps,
+        )
+        self.cache = CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_gb)
+        self.lora = LoRAConfig(
+            self.enable_lora, self.max_loras, self.max_lora_rank, self.max_cpu_loras,
+            self.lora_backend,
+        )
+
+    def finalize(self, model_max_len: int, num_kv_blocks: int) -> None:
+        """Fill in what depends on the loaded model."""
+        if self.max_model_len is None:
+            self.max_model_len = min(model_max_len, 4096)
+        elif self.max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's {model_max_len}"
+            )
+        self.scheduler.max_model_len = self.max_model_len
+        self.cache.num_kv_blocks = num_kv_blocks

@@ -1,0 +1,161 @@
+"""LLMEngine: vLLM's synchronous engine API over one model replica."""
+
+import json
+import logging
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.input_processor import InputProcessor
+from engine.lora.request import LoRARequest
+from engine.model_runner import ModelRunner
+from engine.models.loader import resolve_model
+from engine.output_processor import IncrementalDetokenizer, OutputProcessor, RequestState
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_path = resolve_model(config.model)
+        self.model_name = _model_name(config.model, self.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_path)
+        self.model_runner = ModelRunner(config, self.model_path)
+        args = self.model_runner.args
+        config.finalize(args.max_position_embeddings, self.model_runner.num_kv_blocks)
+        # A sequence can never outgrow the whole KV cache.
+        max_len = min(config.max_model_len, self.model_runner.num_kv_blocks * config.block_size)
+        config.max_model_len = config.scheduler.max_model_len = max_len
+        self.block_manager = BlockManager(self.model_runner.num_kv_blocks, config.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.input_processor = InputProcessor(self.tokenizer, args.vocab_size, max_len)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, _eos_token_ids(self.tokenizer, self.model_path), max_len)
+
+    # -- requests ---------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | dict,
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
+        """Validate everything first; on any error nothing in the engine has changed."""
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id must be a non-empty string")
+        if request_id in self.output_processor.requests:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be a SamplingParams")
+        params.verify(max_n=self.config.max_n)
+        text, prompt_ids = self.input_processor.process(prompt)
+        if lora_request is not None:
+            if not self.config.enable_lora:
+                raise InvalidRequestError("this engine was started with enable_lora=False")
+            self.add_lora(lora_request)
+        step = self.scheduler.step_count
+        first = Sequence(request_id, 0, prompt_ids, params, lora_request, step)
+        seqs = [first] + [
+            Sequence(request_id, i, prompt_ids, params, lora_request, step, parent=first)
+            for i in range(1, params.n)
+        ]
+        detoks = [IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+                  for _ in seqs]
+        self.output_processor.add(
+            RequestState(request_id, text, prompt_ids, params, lora_request, seqs, detoks))
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else request_id
+        for rid in ids:
+            self.output_processor.abort(rid, self.scheduler)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.requests)
+
+    # -- the step ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduling + forward + sampling round; RequestOutputs that changed."""
+        out = self.scheduler.schedule()
+        sampled = self.model_runner.execute(out) if not out.is_empty else {}
+        self.scheduler.update_from_output(out)
+        return self.output_processor.process(out, sampled, self.scheduler)
+
+    # -- adapters ---------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> dict:
+        """Validate and load an adapter into the CPU cache; raises engine.lora.errors.LoRAError."""
+        manager = self._lora_manager()
+        adapter = manager.add_lora(lora_request)
+        return {"name": adapter.name, "source": adapter.source, "rank": adapter.rank,
+                "target_modules": list(adapter.target_modules)}
+
+    def remove_lora(self, lora_name: str) -> bool:
+        in_use = self.scheduler.adapters_in_use() | {
+            s.lora_name for s in self.scheduler.waiting}
+        if lora_name in in_use:
+            raise InvalidRequestError(f"adapter {lora_name!r} has unfinished requests")
+        self.scheduler.slots.evict(lora_name)
+        manager = self._lora_manager()
+        for i, name in enumerate(manager.slot_names):
+            if name == lora_name:
+                manager.slot_names[i] = None
+        return manager.remove_lora(lora_name)
+
+    def pin_lora(self, lora_name: str) -> None:
+        self._lora_manager().pin_lora(lora_name)
+
+    def list_loras(self) -> list[str]:
+        return list(self._lora_manager().known) if self.config.enable_lora else []
+
+    def _lora_manager(self):
+        if self.model_runner.lora_manager is None:
+            raise InvalidRequestError("this engine was started with enable_lora=False")
+        return self.model_runner.lora_manager
+
+    def stats(self) -> dict:
+        sched, slots = self.scheduler, self.scheduler.slots
+        lora = {"activations": slots.num_activations, "evictions": slots.num_evictions,
+                "hits": slots.num_hits, "misses": slots.num_activations}
+        cpu = {}
+        if self.model_runner.lora_manager is not None:
+            cpu = self.model_runner.lora_manager.stats()
+            lora["loads"] = cpu["loads"]
+        return {
+            "num_running": len(sched.running),
+            "num_waiting": len(sched.waiting),
+            "num_free_blocks": self.block_manager.num_free_blocks,
+            "num_blocks": self.block_manager.num_blocks,
+            "num_preemptions": sched.num_preemptions,
+            "adapters_in_slots": list(slots.slot_of),
+            "adapters_in_cpu": cpu.get("adapters_in_cpu", []),
+            "lora": lora,
+        }
+
+
+def _model_name(model: str, path: Path) -> str:
+    if model == "default" or Path(model).exists():
+        return path.name
+    return model
+
+
+def _eos_token_ids(tokenizer, path: Path) -> set[int]:
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    gen = path / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids

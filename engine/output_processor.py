@@ -1,0 +1,150 @@
+"""Appends sampled tokens, detokenizes incrementally, applies stop rules, builds RequestOutputs."""
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.lora.request import LoRARequest
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampler import SampleResult
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import Sequence
+
+
+class IncrementalDetokenizer:
+    """vLLM-style: decode a short window of ids so each step costs O(1), and hold back text
+    that ends in an incomplete UTF-8 sequence."""
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool) -> None:
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = self.read_offset = 0
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset],
+                        skip_special_tokens=self.skip)
+        full = decode(self.ids[self.prefix_offset :], skip_special_tokens=self.skip)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self.text += delta
+            return delta
+        return ""
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    lora_request: LoRARequest | None
+    seqs: list[Sequence]
+    detoks: list[IncrementalDetokenizer]
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    def make_output(self) -> RequestOutput:
+        p = self.params
+        hold = max((len(s) for s in p.stop_strs), default=1) - 1
+        outputs = []
+        for seq, det in zip(self.seqs, self.detoks, strict=True):
+            text = det.text
+            if hold and not seq.is_finished:  # don't show a stop string's beginning yet
+                text = text[: max(0, len(text) - hold)]
+            outputs.append(CompletionOutput(
+                index=seq.index,
+                text=text,
+                token_ids=seq.output_token_ids,
+                cumulative_logprob=seq.cumulative_logprob if p.logprobs is not None else None,
+                logprobs=list(seq.logprobs) if p.logprobs is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            ))
+        metrics = {"arrival_time": self.arrival_time}
+        if self.first_token_time is not None:
+            metrics["first_token_time"] = self.first_token_time
+        return RequestOutput(self.req_id, self.prompt, self.prompt_token_ids, outputs,
+                             self.finished, self.lora_request, metrics)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, eos_token_ids: set[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.requests: dict[str, RequestState] = {}
+
+    def add(self, state: RequestState) -> None:
+        self.requests[state.req_id] = state
+
+    def process(
+        self, out: SchedulerOutput, sampled: dict[int, SampleResult], scheduler: Scheduler
+    ) -> list[RequestOutput]:
+        touched: dict[str, RequestState] = {}
+        now = time.monotonic()
+        for s in out.scheduled:
+            seq = s.seq
+            result = sampled.get(seq.seq_id)
+            if result is None or seq.is_finished:
+                continue
+            state = self.requests[seq.req_id]
+            self._append(seq, state, result, scheduler)
+            if state.first_token_time is None:
+                state.first_token_time = now
+            touched[seq.req_id] = state
+        outputs = []
+        for req_id, state in touched.items():
+            outputs.append(state.make_output())
+            if state.finished:
+                del self.requests[req_id]
+        return outputs
+
+    def _append(
+        self, seq: Sequence, state: RequestState, r: SampleResult, scheduler: Scheduler
+    ) -> None:
+        p = seq.params
+        seq.token_ids.append(r.token_id)
+        if r.logprob is not None:
+            seq.cumulative_logprob += r.logprob
+            seq.logprobs.append(r.top_logprobs or {})
+        det = state.detoks[seq.index]
+        delta = det.add(r.token_id)
+        if not p.ignore_eos and r.token_id in self.eos_token_ids:
+            scheduler.finish(seq, "stop")
+        elif p.stop_token_ids and r.token_id in p.stop_token_ids:
+            scheduler.finish(seq, "stop", r.token_id)
+        elif delta and (stop := self._find_stop_string(p, det, len(delta))) is not None:
+            scheduler.finish(seq, "stop", stop)
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            scheduler.finish(seq, "length")
+
+    @staticmethod
+    def _find_stop_string(
+        p: SamplingParams, det: IncrementalDetokenizer, new_chars: int
+    ) -> str | None:
+        """If a stop string appeared in the new text, cut the text before it and return it."""
+        for stop in p.stop_strs:
+            start = max(0, len(det.text) - new_chars - len(stop) + 1)
+            idx = det.text.find(stop, start)
+            if idx != -1:
+                det.text = det.text[:idx]
+                return stop
+        return None
+
+    def abort(self, req_id: str, scheduler: Scheduler) -> RequestOutput | None:
+        state = self.requests.pop(req_id, None)
+        if state is None:
+            return None
+        for seq in state.seqs:
+            scheduler.finish(seq, "abort")
+        return state.make_output()

@@ -1,0 +1,73 @@
+"""Sampling from the last-position logits of the sequences that sample this step."""
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sequence import Sequence
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float | None  # of the sampled token under the model's (raw) distribution
+    top_logprobs: dict[int, float] | None  # token id -> logprob, sampled token included
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)  # for unseeded requests
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
+        """logits: [S, V] float32, row i for seqs[i]."""
+        logits = logits.float()
+        token_ids = torch.empty(len(seqs), dtype=torch.long)
+        greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+        if greedy:
+            token_ids[greedy] = logits[greedy].argmax(dim=-1)
+        sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if sampled:
+            probs = self._probs(logits[sampled], [seqs[i] for i in sampled])
+            unseeded = [j for j, i in enumerate(sampled) if seqs[i].generator is None]
+            if unseeded:
+                picks = torch.multinomial(probs[unseeded], 1, generator=self.generator)[:, 0]
+                token_ids[[sampled[j] for j in unseeded]] = picks
+            for j, i in enumerate(sampled):
+                gen = seqs[i].generator
+                if gen is not None:  # per-request generator: same draw alone or in a batch
+                    token_ids[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
+        ids = token_ids.tolist()
+        results = [SampleResult(t, None, None) for t in ids]
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if want:
+            logp = torch.log_softmax(logits[want], dim=-1)
+            for j, i in enumerate(want):
+                k = seqs[i].params.logprobs
+                top: dict[int, float] = {}
+                if k:
+                    vals, idx = logp[j].topk(k)
+                    top = dict(zip(idx.tolist(), vals.tolist(), strict=True))
+                lp = float(logp[j, ids[i]])
+                top[ids[i]] = lp
+                results[i] = SampleResult(ids[i], lp, top)
+        return results
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        temps = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype)
+        logits = logits / temps[:, None]
+        top_ks = [s.params.top_k for s in seqs]
+        if any(top_ks):
+            vocab = logits.shape[-1]
+            k = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks])
+            kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        top_ps = torch.tensor([s.params.top_p for s in seqs], dtype=logits.dtype)
+        if (top_ps < 1).any():
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            # drop a token when the tokens before it already reach top_p (keeps at least one)
+            drop = (cum - sorted_logits.softmax(dim=-1)) >= top_ps[:, None]
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+        return logits.softmax(dim=-1)

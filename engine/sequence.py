@@ -1,0 +1,87 @@
+"""Sequence: the unit the scheduler moves. A request with n > 1 owns n sequences."""
+
+import enum
+import itertools
+
+import torch
+
+from engine.lora.request import LoRARequest
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+_seq_counter = itertools.count()
+
+
+class Sequence:
+    """One token stream. No prefill/decode phase: num_computed_tokens catches up to num_tokens.
+
+    A step schedules tokens [num_computed_tokens, num_computed_tokens + n); when that range
+    ends at num_tokens the step samples the next token from the last position.
+    """
+
+    def __init__(
+        self,
+        req_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lora_request: LoRARequest | None,
+        arrival_step: int,
+        parent: "Sequence | None" = None,
+    ) -> None:
+        self.seq_id = next(_seq_counter)
+        self.req_id = req_id
+        self.index = index  # which of the request's n completions this is
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.params = params
+        self.lora_request = lora_request
+        self.arrival_step = arrival_step
+        # Fan-out child: waits until `parent` has computed its full prompt blocks, then shares them.
+        self.parent = parent
+        self.first_scheduled_step: int | None = None
+        self.num_slot_skips = 0  # steps skipped because its adapter had no slot (anti-starvation)
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict[int, float]] = []
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed * 1_000_003 + index)
+
+    @property
+    def lora_name(self) -> str | None:
+        return self.lora_request.lora_name if self.lora_request else None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, req={self.req_id}[{self.index}], "
+            f"computed={self.num_computed_tokens}/{self.num_tokens}, {self.status.name}, "
+            f"lora={self.lora_name})"
+        )

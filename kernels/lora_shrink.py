@@ -1,0 +1,221 @@
+"""lora_shrink: x @ A^T for every token with its own adapter slot (punica SGMV shrink)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kernels.metadata import LoRABatchMeta
+from kernels.torch_ops import lora_shrink_torch
+from kernels.utils import (
+    HAS_TRITON,
+    LazyJit,
+    cdiv,
+    check_shrink_args,
+    device_table,
+    dot_in_fp32,
+    interpret_mode,
+    next_power_of_2,
+    resolve_backend,
+)
+
+if HAS_TRITON:
+    import triton.language as tl
+
+
+def _lora_shrink_kernel(
+    x_ptr,
+    a_ptrs,  # [S] int64: data_ptr of each slice's [L, R, H_in] weights
+    out_ptr,
+    sorted_token_ids,  # [T] int32
+    num_tokens_per_slot,  # [A] int32
+    slot_starts,  # [A] int32
+    active_slots,  # [A] int32
+    N,  # R
+    K,  # H_in
+    stride_xt,
+    stride_xk,
+    stride_al,  # the weight strides are the same for every slice
+    stride_an,
+    stride_ak,
+    stride_os,
+    stride_ot,
+    stride_on,
+    scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # upcast tiles, exact fp32 dot (see utils.dot_in_fp32)
+):
+    # grid: (m tiles x n tiles x SPLIT_K, slices, active slots)
+    pid = tl.program_id(0)
+    slice_id = tl.program_id(1)
+    seg = tl.program_id(2)
+    pid_sk = pid % SPLIT_K
+    pid_mn = pid // SPLIT_K
+    num_n = (N + BLOCK_N - 1) // BLOCK_N
+    pid_m = pid_mn // num_n
+    pid_n = pid_mn % num_n
+
+    seg_len = tl.load(num_tokens_per_slot + seg)
+    if pid_m * BLOCK_M >= seg_len:  # this slot has fewer tokens than the longest one
+        return
+    seg_start = tl.load(slot_starts + seg)
+    slot = tl.load(active_slots + seg).to(tl.int64)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < seg_len
+    tok = tl.load(sorted_token_ids + seg_start + offs_m, mask=mask_m, other=0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+
+    a_ptr = tl.load(a_ptrs + slice_id).to(tl.pointer_type(x_ptr.dtype.element_ty))
+    x_rows = x_ptr + tok[:, None] * stride_xt  # [BLOCK_M, 1]
+    a_cols = a_ptr + slot * stride_al + offs_n[None, :] * stride_an  # [1, BLOCK_N]
+
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)  # tl.zeros is a std-lib @jit
+    for k in range(pid_sk * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        xt = tl.load(
+            x_rows + offs_k[None, :] * stride_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0
+        )  # [BLOCK_M, BLOCK_K]
+        at = tl.load(
+            a_cols + offs_k[:, None] * stride_ak, mask=mask_k[:, None] & mask_n[None, :], other=0.0
+        )  # [BLOCK_K, BLOCK_N]
+        if DOT_FP32:
+            acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
+        else:  # 16-bit tensor-core dot, fp32 accumulate
+            acc += tl.dot(xt, at)
+    acc *= scale
+
+    out_ptrs = (
+        out_ptr + slice_id * stride_os + tok[:, None] * stride_ot + offs_n[None, :] * stride_on
+    )
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:  # partial sums over K; the host zeroed these rows
+        tl.atomic_add(out_ptrs, acc, mask=mask)
+
+
+_kernel = LazyJit(_lora_shrink_kernel)
+
+
+def _config(
+    meta: LoRABatchMeta, num_slices: int, rank: int, hidden_in: int, dtype: torch.dtype, device
+) -> dict:
+    block_m = min(64, max(16, next_power_of_2(meta.max_tokens_per_slot)))
+    block_n = min(64, max(16, next_power_of_2(rank)))
+    # Shared memory per stage: (BLOCK_M + BLOCK_N) * BLOCK_K elements; keep it <= 48 KB.
+    block_k = 256 if block_m <= 32 else 128
+    if dot_in_fp32(dtype):
+        block_k //= 2
+    num_k = cdiv(hidden_in, block_k)
+    split_k = 1
+    if not interpret_mode():  # fill the GPU when there are few tokens (decode): split K
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        programs = (
+            cdiv(meta.max_tokens_per_slot, block_m)
+            * cdiv(rank, block_n)
+            * num_slices
+            * meta.num_active_slots
+        )
+        split_k = max(1, min(num_k, 32, next_power_of_2(2 * num_sms // max(1, programs))))
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k)
+
+
+def lora_shrink_triton(
+    x: torch.Tensor,
+    lora_a: Sequence[torch.Tensor],
+    meta: LoRABatchMeta,
+    scale: float,
+    out: torch.Tensor,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Triton path of `lora_shrink` (arguments already checked). `config` overrides
+    BLOCK_M / BLOCK_N / BLOCK_K / SPLIT_K (tests use it to cover every code path)."""
+    if meta.no_lora:
+        return out
+    num_slots, rank, hidden_in = lora_a[0].shape
+    cfg = _config(meta, len(lora_a), rank, hidden_in, x.dtype, x.device)
+    cfg.update(config or {})
+    if cfg["SPLIT_K"] > 1:
+        assert out.dtype == torch.float32, "SPLIT_K > 1 accumulates with atomics: out must be fp32"
+        # Zero only the rows we own: rows of no-adapter tokens stay untouched.
+        if meta.num_lora_tokens == meta.num_tokens:
+            out.zero_()
+        else:
+            out.index_fill_(1, meta.lora_token_ids, 0.0)
+    a_ptrs = device_table([[a.data_ptr() for a in lora_a]], x.device)[0]
+    grid = (
+        cdiv(meta.max_tokens_per_slot, cfg["BLOCK_M"])
+        * cdiv(rank, cfg["BLOCK_N"])
+        * cfg["SPLIT_K"],
+        len(lora_a),
+        meta.num_active_slots,
+    )
+    a0 = lora_a[0]
+    _kernel[grid](
+        x,
+        a_ptrs,
+        out,
+        meta.sorted_token_ids,
+        meta.num_tokens_per_slot,
+        meta.slot_starts,
+        meta.active_slots,
+        rank,
+        hidden_in,
+        x.stride(0),
+        x.stride(1),
+        a0.stride(0),
+        a0.stride(1),
+        a0.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        float(scale),
+        DOT_FP32=dot_in_fp32(x.dtype),
+        **cfg,
+    )
+    return out
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    lora_a: Sequence[torch.Tensor],
+    meta: LoRABatchMeta,
+    scale: float = 1.0,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Project each token onto its adapter's A (the LoRA "shrink"), several slices at once.
+
+    Semantics:
+        for s in range(S):
+            for t in range(T):
+                if meta.token_slots[t] >= 0:
+                    out[s, t, :] = scale * x[t, :] @ lora_a[s][meta.token_slots[t]].T
+        # rows of tokens with slot -1 are left exactly as they were
+
+    Args:
+        x: [T, H_in] fp16/bf16/fp32, rows contiguous.
+        lora_a: S tensors (1 to 3 slices: e.g. q, k, v), each [L, R, H_in], contiguous,
+            same dtype as x; L = number of slots, R = max rank (zero-padded).
+        meta: `LoRABatchMeta.build(token_slots, L)`, built once per step.
+        scale: global factor (per-adapter alpha / r is folded into lora_b).
+        out: [S, T, R], contiguous; fp32 recommended (the Triton split-K path needs
+            it). None allocates fp32 zeros.
+        backend: "auto" (triton if x.is_cuda else torch), "torch" or "triton" (on CPU
+            only with TRITON_INTERPRET=1).
+
+    Returns `out`. With `meta.no_lora` nothing is launched.
+    """
+    out = check_shrink_args(x, lora_a, meta, out)
+    if meta.no_lora:
+        return out
+    if resolve_backend(backend, x) == "triton":
+        return lora_shrink_triton(x, lora_a, meta, scale, out)
+    return lora_shrink_torch(x, lora_a, meta, scale, out)

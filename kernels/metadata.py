@@ -1,0 +1,94 @@
+"""Per-step LoRA batch metadata: tokens grouped by adapter slot (punica SGMV layout)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_NO_ADAPTER_KEY = 2**62  # sort key of slot -1: after every real slot
+
+
+@dataclass(frozen=True, slots=True)
+class LoRABatchMeta:
+    """Which slot each token uses, with tokens grouped by slot.
+
+    Build it ONCE per forward step with `LoRABatchMeta.build` and reuse it for every
+    LoRA linear of every layer: the build sorts the tokens and syncs with the host
+    once (for the grid sizes); the ops never sync.
+
+    Layout: `sorted_token_ids` lists the token indices with an adapter first, grouped
+    by slot in ascending slot order (stable: token order is kept inside a slot),
+    followed by the tokens with slot -1 (no adapter). The i-th active slot owns
+    `sorted_token_ids[slot_starts[i] : slot_starts[i] + num_tokens_per_slot[i]]`.
+    Tokens with slot -1 belong to no segment, so the kernels never visit them.
+    """
+
+    token_slots: torch.Tensor  # [T] int32, slot of each token, -1 = no adapter
+    sorted_token_ids: torch.Tensor  # [T] int32, adapter tokens grouped by slot, then -1 tokens
+    num_tokens_per_slot: torch.Tensor  # [A] int32
+    slot_starts: torch.Tensor  # [A] int32, offset of each segment in sorted_token_ids
+    active_slots: torch.Tensor  # [A] int32, ascending
+    max_tokens_per_slot: int
+    no_lora: bool  # True when no token has an adapter: the ops return at once
+    num_tokens: int  # T
+    num_lora_tokens: int  # tokens with slot >= 0 (the first ones of sorted_token_ids)
+    # For the torch path (int64 because index_copy_/index_fill_ want it):
+    lora_token_ids: torch.Tensor  # [num_lora_tokens] int64, = sorted_token_ids[:num_lora_tokens]
+    lora_token_slots: torch.Tensor  # [num_lora_tokens] int64, slot of each of lora_token_ids
+    # Host copies of the [A] tensors, for the torch path's loop over slots (no syncs).
+    active_slots_list: tuple[int, ...]
+    slot_starts_list: tuple[int, ...]
+    num_tokens_per_slot_list: tuple[int, ...]
+
+    @property
+    def num_active_slots(self) -> int:
+        return len(self.active_slots_list)
+
+    @classmethod
+    def build(cls, token_slots: torch.Tensor, max_loras: int) -> LoRABatchMeta:
+        """Args:
+        token_slots: [T] int32/int64 on the target device; -1 = no adapter,
+            otherwise a slot in [0, max_loras).
+        max_loras: number of slots L of the stacked weights.
+        """
+        assert token_slots.dim() == 1, (
+            f"token_slots must be 1-D [T], got {tuple(token_slots.shape)}"
+        )
+        assert token_slots.dtype in (torch.int32, torch.int64), (
+            f"token_slots must be int32 or int64, got {token_slots.dtype}"
+        )
+        assert max_loras >= 1, f"max_loras must be >= 1, got {max_loras}"
+        num_tokens = token_slots.numel()
+        slots = token_slots.to(torch.int64)
+        # Sort key: -1 (no adapter) maps past every real slot so those tokens go last.
+        key = torch.where(slots == -1, _NO_ADAPTER_KEY, slots)
+        sorted_key, order = torch.sort(key, stable=True)
+        uniq, counts = torch.unique_consecutive(sorted_key, return_counts=True)
+        starts = torch.cumsum(counts, 0) - counts
+        # One host sync for everything the launches need.
+        uniq_l, counts_l, starts_l = (t.tolist() for t in (uniq, counts, starts))
+        assert not uniq_l or uniq_l[0] >= 0, f"token_slots has slot {uniq_l[0]} < -1"
+        if uniq_l and uniq_l[-1] == _NO_ADAPTER_KEY:  # drop the no-adapter group
+            uniq_l, counts_l, starts_l = uniq_l[:-1], counts_l[:-1], starts_l[:-1]
+        assert not uniq_l or uniq_l[-1] < max_loras, (
+            f"token_slots has slot {uniq_l[-1]} >= max_loras={max_loras}"
+        )
+        num_active = len(uniq_l)
+        num_lora_tokens = sum(counts_l)
+        return cls(
+            token_slots=token_slots.to(torch.int32).contiguous(),
+            sorted_token_ids=order.to(torch.int32),
+            num_tokens_per_slot=counts[:num_active].to(torch.int32),
+            slot_starts=starts[:num_active].to(torch.int32),
+            active_slots=uniq[:num_active].to(torch.int32),
+            max_tokens_per_slot=max(counts_l, default=0),
+            no_lora=num_active == 0,
+            num_tokens=num_tokens,
+            num_lora_tokens=num_lora_tokens,
+            lora_token_ids=order[:num_lora_tokens],
+            lora_token_slots=sorted_key[:num_lora_tokens],
+            active_slots_list=tuple(uniq_l),
+            slot_starts_list=tuple(starts_l),
+            num_tokens_per_slot_list=tuple(counts_l),
+        )

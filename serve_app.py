@@ -1,0 +1,190 @@
+"""The raylora Ray Serve application.
+
+    serve run serve_app:app                      # default model, demo adapters, 2 replicas
+    serve run serve_app:build_app model=/models/llama adapters=sql=/a/sql,chat=/a/chat \\
+        num_replicas=4 max_loras=4 num_gpus=1
+
+`build_app(args)` takes string arguments (as `serve run` passes them; a Serve config file
+may pass typed values). Engine arguments (EngineConfig fields): model, max_loras,
+max_lora_rank, max_cpu_loras, max_num_seqs, max_num_batched_tokens, max_model_len,
+block_size, num_kv_blocks, kv_cache_memory_gb, lora_backend, dtype, device, seed.
+Application arguments: see APP_ARGS below and docs/serving.md.
+
+Importing this module is cheap: no model, no adapter and no Ray cluster is touched until
+the replicas start.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from deployments.ingress import Ingress
+from deployments.llm_server import LLMServer
+
+API_KEY_ENV = "RAYLORA_API_KEY"
+
+
+def _bool(value: str | bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("1", "true", "yes", "on"):
+        return True
+    if str(value).lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean, got {value!r}")
+
+
+def _adapters(value: str | dict) -> dict[str, str]:
+    """ "name=path,name2=path2" (or a dict) -> {name: path}."""
+    if isinstance(value, dict):
+        return {str(k): str(v) for k, v in value.items()}
+    out = {}
+    for item in filter(None, (s.strip() for s in str(value).split(","))):
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"adapters: expected name=path, got {item!r}")
+        out[name.strip()] = path.strip()
+    return out
+
+
+def _paths(value: str | list) -> list[str]:
+    items = value if isinstance(value, list) else str(value).replace(os.pathsep, ",").split(",")
+    return [str(p).strip() for p in items if str(p).strip()]
+
+
+def _replicas(value: str | int) -> int | str:
+    return "auto" if str(value) == "auto" else int(value)
+
+
+ENGINE_ARGS: dict[str, Any] = {
+    "model": str,
+    "max_loras": int,
+    "max_lora_rank": int,
+    "max_cpu_loras": int,
+    "max_num_seqs": int,
+    "max_num_batched_tokens": int,
+    "max_model_len": int,
+    "block_size": int,
+    "num_kv_blocks": int,
+    "kv_cache_memory_gb": float,
+    "lora_backend": str,
+    "dtype": str,
+    "device": str,
+    "seed": int,
+}
+
+# name -> (parser, default, what it is)
+APP_ARGS: dict[str, tuple[Any, Any, str]] = {
+    "adapters": (_adapters, {}, "name=path,... adapters registered at start"),
+    "demo_adapters": (_bool, False, "also register the demo adapters that exist on disk"),
+    "num_replicas": (_replicas, 2, "LLMServer replicas (an int, or auto)"),
+    "num_cpus": (float, 0.5, "CPUs reserved per LLMServer replica"),
+    "num_gpus": (float, 0.0, "GPUs per LLMServer replica"),
+    "ingress_replicas": (int, 1, "ingress replicas"),
+    "max_ongoing_requests": (int, None, "per LLMServer replica (default 2 x max_num_seqs)"),
+    "max_queued_requests": (int, 256, "queued per caller before 503 (-1: unbounded)"),
+    "api_key": (str, None, f"Bearer key for /v1/* (default: ${API_KEY_ENV})"),
+    "adapter_roots": (_paths, None, "folders load_lora_adapter may load from (unset: any)"),
+    "served_model_name": (str, None, "the base model's name in the API"),
+    "router": (str, "affinity", "affinity (AdapterAffinityRouter) or pow2 (Serve's default)"),
+    "load_bound_c": (float, None, "AdapterAffinityRouter's load bound c"),
+    "routing_stats_period_s": (float, 2.0, "how often routers read replica residency"),
+    "report_interval_s": (float, 5.0, "how often replicas re-report to the registry"),
+    "shutdown_timeout_s": (float, 30.0, "graceful shutdown: wait for in-flight requests"),
+}
+
+
+def demo_adapters_root() -> Path:
+    """engine.lora.demo.adapters_dir(), without importing the engine (torch) here."""
+    root = os.environ.get("RAYLORA_CACHE")
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "raylora") / "adapters"
+
+
+def parse_args(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """-> (engine config kwargs, app options). Raises ValueError naming unknown arguments."""
+    unknown = sorted(set(args) - set(ENGINE_ARGS) - set(APP_ARGS))
+    if unknown:
+        known = ", ".join(sorted(ENGINE_ARGS) + sorted(APP_ARGS))
+        raise ValueError(f"unknown build_app argument(s) {unknown}; known: {known}")
+    engine = {"model": "default"}
+    for name, parse in ENGINE_ARGS.items():
+        if name in args and args[name] is not None:
+            engine[name] = parse(args[name])
+    opts = {name: default for name, (_, default, _) in APP_ARGS.items()}
+    for name, (parse, _, _) in APP_ARGS.items():
+        if name in args and args[name] is not None:
+            opts[name] = parse(args[name])
+    opts["api_key"] = opts["api_key"] or os.environ.get(API_KEY_ENV) or None
+    if opts["router"] not in ("affinity", "pow2"):
+        raise ValueError(f"router must be affinity or pow2, got {opts['router']!r}")
+    for name, path in opts["adapters"].items():
+        local = path.startswith(("/", ".", "~")) or path.count("/") > 1
+        if local and not (Path(path).expanduser() / "adapter_config.json").is_file():
+            raise ValueError(f"adapter {name!r}: {path} is not a PEFT adapter folder")
+    return engine, opts
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """The raylora app: OpenAI ingress -> LLMServer replicas (see the module docstring)."""
+    engine, opts = parse_args(args)
+    router_config = None
+    if opts["router"] == "affinity" and importlib.util.find_spec("deployments.router"):
+        kwargs = {} if opts["load_bound_c"] is None else {"load_bound_c": opts["load_bound_c"]}
+        router_config = RequestRouterConfig(
+            request_router_class="deployments.router:AdapterAffinityRouter",
+            request_router_kwargs=kwargs,
+            request_routing_stats_period_s=opts["routing_stats_period_s"],
+        )
+    max_num_seqs = engine.get("max_num_seqs", 64)
+    llm_options: dict[str, Any] = {
+        "name": "LLMServer",
+        "num_replicas": opts["num_replicas"],
+        "ray_actor_options": {"num_cpus": opts["num_cpus"], "num_gpus": opts["num_gpus"]},
+        "max_ongoing_requests": opts["max_ongoing_requests"] or 2 * max_num_seqs,
+        "max_queued_requests": opts["max_queued_requests"],
+        "graceful_shutdown_timeout_s": opts["shutdown_timeout_s"] + 5,
+        "health_check_period_s": 10.0,
+        "health_check_timeout_s": 60.0,
+    }
+    if router_config is not None:
+        llm_options["request_router_config"] = router_config
+    llm = serve.deployment(LLMServer, **llm_options).bind(
+        engine_config=engine,
+        adapters=opts["adapters"],
+        demo_adapters=opts["demo_adapters"],
+        report_interval_s=opts["report_interval_s"],
+        shutdown_timeout_s=opts["shutdown_timeout_s"],
+    )
+    ingress = serve.deployment(
+        serve.ingress()(Ingress),
+        name="OpenAIIngress",
+        num_replicas=opts["ingress_replicas"],
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=1000,
+    )
+    return ingress.bind(
+        llm,
+        served_model_name=opts["served_model_name"],
+        api_key=opts["api_key"],
+        adapter_roots=opts["adapter_roots"],
+    )
+
+
+def _default_args() -> dict[str, Any]:
+    """The laptop app: default model, the demo adapters, 2 replicas on half a core each."""
+    return {
+        "demo_adapters": True,
+        "adapter_roots": [str(demo_adapters_root())],
+        "max_loras": 2,
+        "max_cpu_loras": 8,
+        "max_num_seqs": 32,
+    }
+
+
+app = build_app(_default_args())

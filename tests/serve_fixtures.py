@@ -1,0 +1,81 @@
+"""Shared set-up for the Ray Serve tests: a tiny model, tiny PEFT adapters, a local cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_tiny_adapter(
+    model_dir: str | Path, out: str | Path, rank: int, targets: list[str], seed: int
+) -> Path:
+    """A PEFT LoRA adapter for the tiny model with random (non-zero) A and B."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    peft_model = get_peft_model(
+        model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets)
+    )
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, w in peft_model.named_parameters():
+            if "lora_" in name:
+                w.copy_(torch.randn(w.shape, generator=gen) * 0.3)
+    peft_model.save_pretrained(out)
+    return Path(out)
+
+
+def make_broken_adapter(out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "adapter_config.json").write_text(json.dumps({"r": "x", "peft_type": "LORA"}))
+    (out / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    return out
+
+
+def start_ray(port: int) -> dict:
+    """A local 2-CPU cluster whose workers import this repo; Serve on 127.0.0.1:port."""
+    import ray
+    from ray import serve
+
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p
+    )
+    ctx = ray.init(num_cpus=2, include_dashboard=False, namespace="raylora-tests")
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return ctx.address_info
+
+
+def stop_ray() -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def replica_stats(app_name: str, want: int, timeout_s: float = 30.0) -> dict[str, dict]:
+    """stats() of `want` distinct LLMServer replicas (base-model calls land at random)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("LLMServer", app_name=app_name)
+    seen: dict[str, dict] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(seen) < want and time.monotonic() < deadline:
+        s = handle.stats.remote().result()
+        seen[s["replica_id"]] = s
+    return seen

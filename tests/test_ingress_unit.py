@@ -1,0 +1,461 @@
+"""The OpenAI HTTP layer without Ray: parsing, validation, model names, errors, SSE.
+
+The LLMServer and the registry are replaced by small fakes (below); what the engine itself
+generates is tested through the real app in tests/test_serve_app.py.
+"""
+
+import asyncio
+import json
+import os
+
+import pytest
+from fastapi.testclient import TestClient
+
+from deployments.ingress import OpenAIServing, build_openai_app
+from deployments.protocol import APIError
+
+pytestmark = pytest.mark.timeout(60)
+
+BASE = "tiny-base"
+WORDS = ["Hello", " there", ",", " friend", "."]
+
+
+class FakeLLM:
+    """Streams WORDS (one token each) as LLMServer output deltas; records what it got."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[dict, str]] = []
+        self.raise_on_call: BaseException | None = None
+        self.closed_early = False
+        self.loaded: list[tuple[str, str]] = []
+
+    def _outputs(self, request: dict) -> list[dict]:
+        n = request["sampling_params"]["n"]
+        max_tokens = request["sampling_params"]["max_tokens"]
+        words = WORDS[:max_tokens]
+        items = []
+        for k, w in enumerate(words):
+            last = k == len(words) - 1
+            reason = ("stop" if len(words) == len(WORDS) else "length") if last else None
+            outs = [
+                {
+                    "index": i,
+                    "text": w,
+                    "token_ids": [10 + k],
+                    "logprobs": None,
+                    "finish_reason": reason,
+                    "stop_reason": None,
+                }
+                for i in range(n)
+            ]
+            items.append(
+                {
+                    "request_id": request["request_id"],
+                    "prompt": request.get("prompt") if k == 0 else None,
+                    "num_prompt_tokens": 3,
+                    "outputs": outs,
+                    "finished": last,
+                }
+            )
+        return items
+
+    async def stream(self, request: dict, adapter: str):
+        self.requests.append((request, adapter))
+        if self.raise_on_call is not None:
+            raise self.raise_on_call
+        done = False
+        try:
+            for item in self._outputs(request):
+                await asyncio.sleep(0)
+                yield item
+            done = True
+        finally:
+            self.closed_early = not done
+
+    async def complete(self, request: dict, adapter: str) -> dict:
+        self.requests.append((request, adapter))
+        if self.raise_on_call is not None:
+            raise self.raise_on_call
+        items = self._outputs(request)
+        final = dict(items[-1], prompt=items[0]["prompt"])
+        final["outputs"] = [
+            dict(o, text="".join(WORDS[: len(items)]), token_ids=list(range(len(items))))
+            for o in items[-1]["outputs"]
+        ]
+        return final
+
+    async def load_adapter(self, name: str, path: str) -> dict:
+        if "missing" in path:
+            raise APIError(404, f"folder {path} does not exist", code="model_not_found")
+        if "broken" in path:
+            raise APIError(400, "adapter_config.json is not JSON")
+        self.loaded.append((name, path))
+        return {"source": path, "rank": 4, "target_modules": ["q_proj"], "base_model": BASE}
+
+    async def model_info(self) -> dict:
+        return {"model_name": BASE}
+
+
+class FakeRegistry:
+    def __init__(self, adapters: dict[str, dict]) -> None:
+        self.adapters = dict(adapters)
+
+    async def list_adapters(self) -> dict[str, dict]:
+        return dict(self.adapters)
+
+    async def register_adapter(self, name: str, spec: dict) -> None:
+        self.adapters[name] = spec
+
+    async def unregister_adapter(self, name: str) -> bool:
+        return self.adapters.pop(name, None) is not None
+
+
+@pytest.fixture
+def env(tmp_path):
+    llm = FakeLLM()
+    registry = FakeRegistry({"sql": {"source": "/adapters/sql", "rank": 8}})
+    root = tmp_path / "adapters"
+    (root / "good").mkdir(parents=True)
+    serving = OpenAIServing(llm, registry, adapter_roots=[str(root)])
+    client = TestClient(build_openai_app(serving))
+    return client, llm, registry, serving, root
+
+
+def assert_error(resp, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    return body["error"]
+
+
+def test_model_names_resolve_to_base_or_adapter(env):
+    client, llm, *_ = env
+    for model, adapter in [(BASE, ""), ("sql", "sql"), (f"{BASE}:sql", "sql")]:
+        r = client.post("/v1/completions", json={"model": model, "prompt": "hi"})
+        assert r.status_code == 200, r.text
+        assert llm.requests[-1][1] == adapter
+        assert r.json()["model"] == model
+    for model in ["nope", f"{BASE}:nope", "other:sql", ""]:
+        err = assert_error(
+            client.post("/v1/completions", json={"model": model, "prompt": "x"}), 404
+        )
+        assert err["code"] == "model_not_found" and err["param"] == "model"
+
+
+def test_models_list_base_and_adapters_with_parent(env):
+    client, *_ = env
+    data = client.get("/v1/models").json()
+    assert data["object"] == "list"
+    ids = {m["id"]: m for m in data["data"]}
+    assert ids[BASE]["parent"] is None and ids[BASE]["object"] == "model"
+    assert ids["sql"]["parent"] == BASE and ids["sql"]["root"] == "/adapters/sql"
+
+
+def test_completion_response_shape_and_request(env):
+    client, llm, *_ = env
+    r = client.post(
+        "/v1/completions",
+        json={
+            "model": BASE,
+            "prompt": "Say hi",
+            "max_tokens": 5,
+            "temperature": 0,
+            "n": 2,
+            "stop": ["\n"],
+            "seed": 3,
+            "echo": True,
+            "unknown_field": 1,
+        },
+    )
+    body = r.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert body["choices"][0]["text"] == "Say hi" + "".join(WORDS)
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 10, "total_tokens": 13}
+    request, _ = llm.requests[-1]
+    assert request["prompt"] == "Say hi"
+    assert request["sampling_params"] == {
+        "n": 2,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "max_tokens": 5,
+        "ignore_eos": False,
+        "skip_special_tokens": True,
+        "stop": ["\n"],
+        "seed": 3,
+    }
+
+
+def test_token_id_prompt_and_single_item_batch(env):
+    client, llm, *_ = env
+    client.post("/v1/completions", json={"model": BASE, "prompt": [5, 6, 7]})
+    assert llm.requests[-1][0]["prompt_token_ids"] == [5, 6, 7]
+    client.post("/v1/completions", json={"model": BASE, "prompt": ["only one"]})
+    assert llm.requests[-1][0]["prompt"] == "only one"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": BASE, "prompt": ["a", "b"]},
+        {"model": BASE, "prompt": ""},
+        {"model": BASE, "prompt": "x", "presence_penalty": 0.5},
+        {"model": BASE, "prompt": "x", "logit_bias": {"1": 2}},
+        {"model": BASE, "prompt": "x", "best_of": 3},
+        {"model": BASE, "prompt": "x", "max_tokens": "many"},
+        {"model": BASE},
+        {"prompt": "x"},
+    ],
+)
+def test_invalid_completion_requests_are_400(env, body):
+    client, *_ = env
+    assert_error(client.post("/v1/completions", json=body), 400)
+
+
+def test_malformed_json_is_400(env):
+    client, *_ = env
+    for raw in [b"{not json", b"[1, 2]", b"\xff\xfe"]:
+        r = client.post(
+            "/v1/completions", content=raw, headers={"content-type": "application/json"}
+        )
+        assert_error(r, 400)
+
+
+def test_replica_errors_keep_their_status(env):
+    from ray.serve.exceptions import BackPressureError
+
+    client, llm, *_ = env
+    cases = [
+        (APIError(400, "temperature must be >= 0"), 400),
+        (APIError(400, "prompt too long", param="prompt", code="context_length_exceeded"), 400),
+        (BackPressureError(num_queued_requests=5, max_queued_requests=4), 503),
+        (RuntimeError("boom"), 500),
+    ]
+    for exc, status in cases:
+        llm.raise_on_call = exc
+        for stream in (False, True):
+            body = {"model": BASE, "prompt": "x", "stream": stream}
+            assert_error(client.post("/v1/completions", json=body), status)
+    llm.raise_on_call = None
+    assert client.post("/v1/completions", json={"model": BASE, "prompt": "x"}).status_code == 200
+
+
+def test_wrapped_ray_task_error_is_unwrapped(env):
+    class Wrapped(Exception):  # what a RayTaskError looks like: the replica's error in .cause
+        def __init__(self, cause):
+            super().__init__("wrapped")
+            self.cause = cause
+
+    client, llm, *_ = env
+    llm.raise_on_call = Wrapped(
+        APIError(404, "The model `x` does not exist.", code="model_not_found")
+    )
+    err = assert_error(client.post("/v1/completions", json={"model": "sql", "prompt": "x"}), 404)
+    assert err["code"] == "model_not_found"
+
+
+def _sse_events(resp) -> list:
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    events = [e for e in resp.text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    return [json.loads(e[len("data: ") :]) for e in events[:-1]]
+
+
+def test_streamed_completion(env):
+    client, *_ = env
+    r = client.post(
+        "/v1/completions",
+        json={
+            "model": "sql",
+            "prompt": "x",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    chunks = _sse_events(r)
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == "".join(WORDS)
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_streamed_chat(env):
+    client, llm, *_ = env
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": f"{BASE}:sql",
+            "stream": True,
+            "max_tokens": 3,
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            ],
+        },
+    )
+    chunks = _sse_events(r)
+    assert chunks[0]["object"] == "chat.completion.chunk"
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == "".join(WORDS[:3])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    request, adapter = llm.requests[-1]
+    assert adapter == "sql"
+    assert request["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+    ]
+
+
+def test_chat_non_streamed(env):
+    client, *_ = env
+    r = client.post(
+        "/v1/chat/completions",
+        json={"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5},
+    )
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "".join(WORDS)}
+    for bad in [
+        {"model": BASE, "messages": []},
+        {"model": BASE, "messages": [{"role": "user", "content": "x"}], "tools": [{}]},
+    ]:
+        assert_error(client.post("/v1/chat/completions", json=bad), 400)
+
+
+def test_consumer_that_stops_closes_the_replica_stream(env):
+    _, llm, _, serving, _ = env
+    from deployments.protocol import CompletionRequest
+
+    async def run():
+        chunks = await serving.stream(CompletionRequest(model=BASE, prompt="x", stream=True))
+        await chunks.__anext__()
+        await chunks.aclose()  # what Starlette does when the client disconnects
+
+    asyncio.run(run())
+    assert llm.closed_early
+
+
+def test_api_key(env):
+    _, llm, registry, _, _ = env
+    serving = OpenAIServing(llm, registry, api_key="s3cret")
+    client = TestClient(build_openai_app(serving))
+    body = {"model": BASE, "prompt": "x"}
+    err = assert_error(client.post("/v1/completions", json=body), 401)
+    assert err["code"] == "invalid_api_key"
+    assert_error(
+        client.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}), 401
+    )
+    assert_error(client.get("/v1/models"), 401)
+    ok = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})
+    assert ok.status_code == 200
+    assert client.get("/health").status_code == 200  # health and metrics need no key
+    assert client.get("/metrics").status_code == 200
+
+
+def test_load_and_unload_adapter(env):
+    client, llm, registry, _, root = env
+    path = str(root / "good")
+    r = client.post("/v1/load_lora_adapter", json={"lora_name": "good", "lora_path": path})
+    assert r.status_code == 200, r.text
+    assert registry.adapters["good"]["source"] == path
+    assert client.post("/v1/completions", json={"model": "good", "prompt": "x"}).status_code == 200
+    # same name, other path -> 400; same name, same path -> idempotent
+    (root / "other").mkdir()
+    assert_error(
+        client.post(
+            "/v1/load_lora_adapter", json={"lora_name": "good", "lora_path": str(root / "other")}
+        ),
+        400,
+    )
+    assert (
+        client.post(
+            "/v1/load_lora_adapter", json={"lora_name": "good", "lora_path": path}
+        ).status_code
+        == 200
+    )
+    assert_error(
+        client.post("/v1/load_lora_adapter", json={"lora_name": BASE, "lora_path": path}), 400
+    )
+    r = client.post("/v1/unload_lora_adapter", json={"lora_name": "good"})
+    assert r.status_code == 200
+    assert "good" not in registry.adapters
+    assert_error(client.post("/v1/completions", json={"model": "good", "prompt": "x"}), 404)
+    assert_error(client.post("/v1/unload_lora_adapter", json={"lora_name": "good"}), 404)
+
+
+def test_load_adapter_errors(env, tmp_path):
+    client, _, _, _, root = env
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    os.symlink(outside, root / "link")
+    for path in [str(outside), str(root / ".." / "elsewhere"), str(root / "link"), "/etc"]:
+        err = assert_error(
+            client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": path}), 403
+        )
+        assert err["type"] == "permission_error"
+    assert_error(
+        client.post(
+            "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(root / "missing")}
+        ),
+        404,
+    )
+    assert_error(
+        client.post(
+            "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(root / "broken")}
+        ),
+        400,
+    )
+    assert_error(client.post("/v1/load_lora_adapter", json={"lora_name": "x"}), 400)
+
+
+def test_unknown_route_is_openai_shaped(env):
+    client, *_ = env
+    assert_error(client.get("/v1/nothing"), 404)
+
+
+def test_metrics_text(env):
+    client, *_ = env
+    client.post("/v1/completions", json={"model": "sql", "prompt": "x"})
+    r = client.get("/metrics")
+    assert r.status_code == 200
+    assert 'raylora_requests_total{endpoint="completions",model="sql",status="200"}' in r.text
+    assert "raylora_request_latency_seconds_bucket" in r.text
+
+
+def test_build_app_args():
+    import serve_app
+
+    engine, opts = serve_app.parse_args(
+        {
+            "model": "/m",
+            "max_loras": "3",
+            "num_replicas": "4",
+            "num_cpus": "0.25",
+            "adapters": "a=hub/a,b=org/b",
+            "adapter_roots": "/x,/y",
+            "demo_adapters": "true",
+        }
+    )
+    assert engine == {"model": "/m", "max_loras": 3}
+    assert opts["num_replicas"] == 4 and opts["num_cpus"] == 0.25
+    assert opts["adapters"] == {"a": "hub/a", "b": "org/b"}
+    assert opts["adapter_roots"] == ["/x", "/y"] and opts["demo_adapters"] is True
+    with pytest.raises(ValueError, match="unknown build_app argument"):
+        serve_app.parse_args({"max_lora": "2"})
+    with pytest.raises(ValueError, match="not a PEFT adapter folder"):
+        serve_app.parse_args({"adapters": "a=/does/not/exist"})
+    assert serve_app.build_app({"num_replicas": "1"}) is not None
+
+
+def test_demo_root_matches_engine():
+    import serve_app
+    from engine.lora.demo import adapters_dir
+
+    assert serve_app.demo_adapters_root() == adapters_dir()

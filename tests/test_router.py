@@ -1,0 +1,194 @@
+"""AdapterAffinityRouter with fake replicas, a fake clock and a fake registry: no cluster."""
+
+import asyncio
+from collections import Counter
+
+import pytest
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+from ray.serve.request_router import PendingRequest, ReplicaID
+
+from deployments.router import AdapterAffinityRouter
+from deployments.routing_policy import rendezvous_order
+
+DEP = DeploymentID(name="LLMServer", app_name="raylora")
+IDS = [f"r{i}" for i in range(6)]
+
+
+class FakeReplica:
+    """The RunningReplica attributes the router reads."""
+
+    def __init__(self, uid: str, slots=(), cpu=(), running=0, waiting=0, multiplexed=()):
+        self.replica_id = ReplicaID(unique_id=uid, deployment_id=DEP)
+        self.routing_stats = {
+            "adapters_in_slots": list(slots),
+            "adapters_in_cpu": list(cpu),
+            "num_running": running,
+            "num_waiting": waiting,
+        }
+        self.multiplexed_model_ids = set(multiplexed)
+        self.max_ongoing_requests = 64
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FakeRegistry:
+    def __init__(self) -> None:
+        self.snapshot: dict = {"version": 0, "adapters": {}, "residency": {}}
+        self.fail = False
+        self.calls = 0
+
+    async def fetch(self) -> dict:
+        self.calls += 1
+        if self.fail:
+            raise ConnectionError("registry restarting")
+        return self.snapshot
+
+
+def make_router(registry: FakeRegistry | None = None, clock: Clock | None = None, **kwargs):
+    router = AdapterAffinityRouter(
+        deployment_id=DEP,
+        handle_source=DeploymentHandleSource.UNKNOWN,
+        get_curr_time_s=clock or Clock(),
+    )
+    registry = registry or FakeRegistry()
+    router.initialize_state(seed=0, fetch_snapshot=registry.fetch, **kwargs)
+    return router
+
+
+def request(adapter: str) -> PendingRequest:
+    meta = RequestMetadata(request_id="r", internal_request_id="r", multiplexed_model_id=adapter)
+    return PendingRequest(args=[], kwargs={}, metadata=meta)
+
+
+def route(router, replicas, adapter: str, pr: list | None = None):
+    """choose_replicas in a fresh loop (PendingRequest needs one for its future)."""
+
+    async def go():
+        pending = request(adapter)
+        if pr is not None:
+            pr.append(pending)
+        return await router.choose_replicas(replicas, pending)
+
+    return asyncio.run(go())
+
+
+def first_choice(router, replicas, adapter: str) -> str:
+    return route(router, replicas, adapter)[0][0].replica_id.unique_id
+
+
+def set_load(router, replica: FakeReplica, n: int) -> None:
+    router.replica_queue_len_cache.update(replica.replica_id, n)
+
+
+def test_affinity_same_adapter_same_replica_while_under_bound():
+    router = make_router(use_registry=False)
+    reps = [FakeReplica(i) for i in IDS]
+    home = rendezvous_order("ad-1", IDS)[0]
+    for r in reps:
+        set_load(router, r, 3)
+    assert {first_choice(router, reps, "ad-1") for _ in range(20)} == {home}
+    # A replica that holds the adapter in a slot wins over the home without it.
+    other = rendezvous_order("ad-1", IDS)[3]
+    reps = [FakeReplica(i, slots=["ad-1"] if i == other else []) for i in IDS]
+    assert first_choice(router, reps, "ad-1") == other
+
+
+def test_spill_when_hot_follows_the_adapters_order():
+    router = make_router(use_registry=False)
+    order = rendezvous_order("hot", IDS)
+    reps = {i: FakeReplica(i, cpu=["hot"] if i == order[0] else []) for i in IDS}
+    for i, r in reps.items():
+        set_load(router, r, 20 if i == order[0] else 2)  # home far over 1.25 x mean
+    tiers = route(router, list(reps.values()), "hot")
+    assert tiers[0][0].replica_id.unique_id == order[1]
+    assert order[0] in {r.replica_id.unique_id for r in tiers[-1]}  # still a last resort
+
+
+def test_load_from_routing_stats_when_cache_is_empty():
+    router = make_router(use_registry=False)
+    order = rendezvous_order("ad-2", IDS)
+    reps = [FakeReplica(i, running=30 if i == order[0] else 0) for i in IDS]
+    assert first_choice(router, reps, "ad-2") == order[1]
+
+
+def test_base_requests_spread_over_all_replicas():
+    router = make_router(use_registry=False)
+    reps = [FakeReplica(i) for i in IDS]
+    counts = Counter(first_choice(router, reps, "") for _ in range(600))
+    assert set(counts) == set(IDS)
+    assert min(counts.values()) > 600 / len(IDS) * 0.6
+
+
+def test_replica_leaving_reranks():
+    router = make_router(use_registry=False)
+    order = rendezvous_order("ad-3", IDS)
+    reps = [FakeReplica(i, slots=["ad-3"] if i == order[0] else []) for i in IDS]
+    assert first_choice(router, reps, "ad-3") == order[0]
+    left = [r for r in reps if r.replica_id.unique_id != order[0]]
+    assert first_choice(router, left, "ad-3") == order[1]
+
+
+def test_registry_snapshot_residency_and_staleness():
+    registry, clock = FakeRegistry(), Clock()
+    router = make_router(registry, clock, registry_max_age_s=30.0)
+    order = rendezvous_order("ad-4", IDS)
+    holder = order[2]
+    registry.snapshot = {
+        "version": 1,
+        "adapters": {"ad-4": {}},
+        "residency": {holder: {"slots": ["ad-4"], "cpu": ["ad-4"], "last_report": clock.t}},
+    }
+    reps = [FakeReplica(i) for i in IDS]  # routing_stats know nothing yet
+    assert asyncio.run(router.refresh_registry_once())
+    assert first_choice(router, reps, "ad-4") == holder
+
+    # The registry goes down: the last snapshot is kept while it is fresh enough.
+    registry.fail = True
+    clock.t += 10
+    assert not asyncio.run(router.refresh_registry_once())
+    assert first_choice(router, reps, "ad-4") == holder
+    # Too old: ignored, routing falls back to the hash order (no error).
+    clock.t += 60
+    assert first_choice(router, reps, "ad-4") == order[0]
+
+
+def test_background_refresh_never_blocks_routing():
+    registry = FakeRegistry()
+    gate = asyncio.Event
+
+    async def go():
+        blocked = gate()
+
+        async def slow_fetch():
+            registry.calls += 1
+            await blocked.wait()
+            return registry.snapshot
+
+        router = make_router(registry)
+        router._fetch_snapshot = slow_fetch
+        reps = [FakeReplica(i) for i in IDS]
+        tiers = await asyncio.wait_for(router.choose_replicas(reps, request("ad-5")), 1.0)
+        await asyncio.sleep(0)
+        router._refresh_task.cancel()
+        return tiers
+
+    tiers = asyncio.run(go())
+    assert tiers[0][0].replica_id.unique_id == rendezvous_order("ad-5", IDS)[0]
+    assert registry.calls == 1
+
+
+def test_should_backoff_and_bad_kwargs():
+    router = make_router(use_registry=False)
+    pending: list = []
+    route(router, [FakeReplica("r0")], "a", pending)
+    assert pending[0].routing_context.should_backoff
+    with pytest.raises(TypeError):
+        router.initialize_state(load_bound=2)  # typo of load_bound_c
+    with pytest.raises(ValueError):
+        router.initialize_state(load_bound_c=0.5)

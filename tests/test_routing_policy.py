@@ -1,0 +1,164 @@
+"""rank_replicas / rendezvous_order against brute-force references and hashing properties."""
+
+import hashlib
+import math
+import os
+import random
+import subprocess
+import sys
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deployments.routing_policy import ReplicaView, load_bound, rank_replicas, rendezvous_order
+
+IDS = [f"r{i}" for i in range(8)]
+
+
+def view(rid: str, load: float = 0, slots=(), cpu=()) -> ReplicaView:
+    return ReplicaView(rid, load, frozenset(slots), frozenset(cpu))
+
+
+def ref_order(adapter: str, ids: list[str]) -> list[str]:
+    """Brute force: score every pair with blake2b, highest first."""
+
+    def score(rid: str) -> int:
+        d = hashlib.blake2b(f"{adapter}\x00{rid}".encode(), digest_size=8).digest()
+        return int.from_bytes(d, "big")
+
+    return sorted(ids, key=lambda r: (-score(r), r))
+
+
+def ref_rank(adapter: str, replicas: list[ReplicaView], c: float) -> list[str]:
+    """Brute force of the documented tiers: ids of tiers 0-2 (single replicas)."""
+    n, total = len(replicas), sum(r.load for r in replicas)
+    bound = max(1, math.ceil(c * (total + 1) / n))
+    by_id = {r.replica_id: r for r in replicas}
+    under = [by_id[i] for i in ref_order(adapter, list(by_id)) if by_id[i].load + 1 <= bound]
+    picks = [
+        next((r for r in under if adapter in r.adapters_in_slots), None),
+        next((r for r in under if adapter in r.adapters_in_cpu), None),
+        under[0] if under else None,
+    ]
+    out: list[str] = []
+    for r in picks:
+        if r is not None and r.replica_id not in out:
+            out.append(r.replica_id)
+    return out
+
+
+def test_order_is_input_order_independent_and_matches_reference():
+    for a in ("a", "adapter-7", "x" * 40):
+        assert rendezvous_order(a, IDS) == ref_order(a, IDS)
+        assert rendezvous_order(a, list(reversed(IDS))) == ref_order(a, IDS)
+
+
+def test_order_is_stable_across_processes():
+    code = "from deployments.routing_policy import rendezvous_order as o; print(o('ad-1', [f'r{i}' for i in range(8)]))"
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("1", "2")
+    }
+    assert len(outs) == 1 and outs.pop().strip() == str(rendezvous_order("ad-1", IDS))
+
+
+def test_removing_a_replica_keeps_the_others_in_order():
+    for k in range(200):
+        a = f"ad-{k}"
+        full = rendezvous_order(a, IDS)
+        gone = full[k % len(full)]
+        assert rendezvous_order(a, [i for i in IDS if i != gone]) == [i for i in full if i != gone]
+
+
+def test_first_choices_are_spread_evenly():
+    firsts = Counter(rendezvous_order(f"ad-{k}", IDS)[0] for k in range(4000))
+    expected = 4000 / len(IDS)
+    chi2 = sum((firsts[i] - expected) ** 2 / expected for i in IDS)
+    assert chi2 < 24.3  # p = 0.001 for 7 degrees of freedom
+
+
+def test_load_bound_idle_and_busy():
+    assert load_bound(0, 16, 1.25) == 1  # idle: every replica is under the bound
+    assert load_bound(159, 16, 1.25) == math.ceil(1.25 * 160 / 16)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    loads=st.lists(st.integers(0, 12), min_size=1, max_size=8),
+    slot_mask=st.integers(0, 255),
+    cpu_mask=st.integers(0, 255),
+    adapter=st.sampled_from(["a", "b", "hot", "cold-7"]),
+    c=st.sampled_from([1.0, 1.1, 1.25, 2.0]),
+)
+def test_rank_matches_reference(loads, slot_mask, cpu_mask, adapter, c):
+    replicas = [
+        view(
+            f"r{i}",
+            load,
+            slots=[adapter] if slot_mask >> i & 1 else [],
+            cpu=[adapter] if (cpu_mask | slot_mask) >> i & 1 else [],
+        )
+        for i, load in enumerate(loads)
+    ]
+    tiers = rank_replicas(adapter, replicas, load_bound_c=c, rng=random.Random(0))
+    flat = [r.replica_id for t in tiers for r in t]
+    assert sorted(flat) == sorted(r.replica_id for r in replicas)  # each replica exactly once
+    singles = ref_rank(adapter, replicas, c)
+    assert singles, "with integer loads some replica is always under the bound"
+    assert [t[0].replica_id for t in tiers[: len(singles)]] == singles
+    assert all(len(t) == 1 for t in tiers[: len(singles)])
+    rest = tiers[len(singles) :]
+    assert len(rest) <= 1 and all(
+        x.load <= y.load for t in rest for x, y in zip(t, t[1:], strict=False)
+    )
+
+
+def test_cold_adapter_stays_on_first_choice_hot_adapter_spreads_along_its_order():
+    order = rendezvous_order("hot", IDS)
+    loads = dict.fromkeys(IDS, 0)
+    resident: dict[str, set[str]] = {i: set() for i in IDS}
+    used: list[str] = []
+    for _ in range(40):  # nothing completes: "hot" takes all the load
+        reps = [view(i, loads[i], slots=resident[i]) for i in IDS]
+        pick = rank_replicas("hot", reps, rng=random.Random(0))[0][0].replica_id
+        loads[pick] += 1
+        resident[pick].add("hot")
+        if pick not in used:
+            used.append(pick)
+    assert used == order[: len(used)]  # spreads in its own order, one replica at a time
+
+    # With other traffic balanced around it, one request stays on its first choice.
+    reps = [view(i, 10) for i in IDS]
+    assert (
+        rank_replicas("cold", reps, rng=random.Random(0))[0][0].replica_id
+        == (rendezvous_order("cold", IDS)[0])
+    )
+
+
+def test_base_requests_power_of_two():
+    rng = random.Random(1)
+    reps = [view(i, load) for i, load in zip(IDS, [5, 0, 3, 3, 9, 1, 2, 4], strict=True)]
+    firsts: Counter = Counter()
+    for _ in range(2000):
+        tiers = rank_replicas("", reps, rng=rng)
+        assert len(tiers[0]) == 2 and tiers[0][0].load <= tiers[0][1].load
+        assert sorted(r.replica_id for t in tiers for r in t) == sorted(IDS)
+        firsts[tiers[0][0].replica_id] += 1
+    # The busiest replica never wins a pair; the idlest wins every pair it is in (~1/4).
+    assert firsts["r4"] == 0
+    assert abs(firsts["r1"] / 2000 - 2 / 8) < 0.05
+
+
+def test_empty_and_single():
+    assert rank_replicas("a", [], rng=random.Random(0)) == []
+    one = [view("r0", 100)]
+    assert [[r.replica_id for r in t] for t in rank_replicas("a", one, rng=random.Random(0))] == [
+        ["r0"]
+    ]

@@ -1,0 +1,213 @@
+"""The whole app on a local Ray cluster: tiny model, 2 replicas, 2 tiny PEFT adapters.
+
+Talks to it with the official `openai` client and raw httpx; compares greedy outputs with
+the engine's offline `LLM.generate` (the same engine code, no Ray, no HTTP).
+"""
+
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.serve_fixtures import (
+    free_port,
+    make_broken_adapter,
+    make_tiny_adapter,
+    replica_stats,
+    start_ray,
+    stop_ray,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+APP = "raylora"
+ENGINE = {"max_loras": 2, "max_cpu_loras": 4, "max_num_seqs": 8, "num_kv_blocks": 128}
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "Hello there, how are you?"}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_model_dir):
+    from ray import serve
+
+    import serve_app
+
+    root = tmp_path_factory.mktemp("adapters")
+    adapters = {
+        "a1": make_tiny_adapter(tiny_model_dir, root / "a1", 4, ["q_proj", "v_proj"], 1),
+        "a2": make_tiny_adapter(tiny_model_dir, root / "a2", 8, ["gate_proj", "down_proj"], 2),
+    }
+    extra = make_tiny_adapter(tiny_model_dir, root / "a3", 4, ["k_proj", "o_proj"], 3)
+    broken = make_broken_adapter(root / "broken")
+    port = free_port()
+    start_ray(port)
+    try:
+        args = {
+            "model": tiny_model_dir,
+            "adapters": ",".join(f"{n}={p}" for n, p in adapters.items()),
+            "num_replicas": "2",
+            "num_cpus": "0.5",
+            "adapter_roots": str(root),
+            "report_interval_s": "1",
+            "routing_stats_period_s": "1",
+            **{k: str(v) for k, v in ENGINE.items()},
+        }
+        serve.run(serve_app.build_app(args), name=APP, route_prefix="/")
+        yield {
+            "url": f"http://127.0.0.1:{port}",
+            "adapters": {k: str(v) for k, v in adapters.items()},
+            "extra": str(extra),
+            "broken": str(broken),
+            "root": root,
+        }
+    finally:
+        stop_ray()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model_dir, served):
+    """Greedy reference outputs from the offline engine: {(adapter, kind): text}."""
+    from engine import LLM, LoRARequest, SamplingParams
+
+    llm = LLM(tiny_model_dir, **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    refs = {}
+    for i, name in enumerate([None, "a1", "a2"]):
+        lora = None if name is None else LoRARequest(name, i, served["adapters"][name])
+        refs[(name, "completion")] = llm.generate(PROMPT, params, lora_request=lora)[0]
+        refs[(name, "chat")] = llm.chat(CHAT, params, lora_request=lora)[0]
+    return {k: v.outputs[0].text for k, v in refs.items()}
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    from openai import OpenAI
+
+    return OpenAI(base_url=served["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_models(client, tiny_model_dir):
+    from pathlib import Path
+
+    models = {m.id: m for m in client.models.list().data}
+    base = Path(tiny_model_dir).name
+    assert set(models) == {base, "a1", "a2"}
+    assert models["a1"].parent == base and models["a2"].parent == base
+
+
+def test_completions_match_offline_engine(client, offline):
+    base = client.models.list().data[0].id
+    for name, model in [(None, base), ("a1", "a1"), ("a2", f"{base}:a2")]:
+        r = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+        assert r.choices[0].text == offline[(name, "completion")], name
+        assert r.usage.completion_tokens > 0
+    # the adapters change the output (else the comparison above proves little)
+    assert len({offline[(n, "completion")] for n in (None, "a1", "a2")}) == 3
+
+
+def test_streamed_chat_matches_offline_engine(client, offline):
+    base = client.models.list().data[0].id
+    for name, model in [(None, base), ("a1", "a1"), ("a2", "a2")]:
+        stream = client.chat.completions.create(
+            model=model, messages=CHAT, max_tokens=12, temperature=0, stream=True
+        )
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == offline[(name, "chat")], name
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_streamed_completion_and_n(client, offline):
+    stream = client.completions.create(
+        model="a1", prompt=PROMPT, max_tokens=12, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream) == offline[("a1", "completion")]
+    r = client.completions.create(
+        model="a2", prompt=PROMPT, max_tokens=5, n=2, temperature=0.8, seed=7
+    )
+    assert sorted(c.index for c in r.choices) == [0, 1]
+
+
+def _error(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def test_bad_inputs_get_openai_errors_and_server_keeps_serving(served, client):
+    url = served["url"]
+    root = served["root"]
+    with httpx.Client(base_url=url, timeout=120) as http:
+        post = http.post
+        _error(post("/v1/completions", json={"model": "nope", "prompt": "x"}), 404)
+        _error(
+            post("/v1/completions", content=b"{oops", headers={"content-type": "application/json"}),
+            400,
+        )
+        for bad in [{"temperature": -1}, {"n": 0}, {"max_tokens": 0}, {"top_p": 0}, {"top_p": 2}]:
+            _error(post("/v1/completions", json={"model": "a1", "prompt": "x", **bad}), 400)
+        too_long = "hello " * 2000
+        err = _error(post("/v1/completions", json={"model": "a1", "prompt": too_long}), 400)
+        assert err["param"] == "prompt"
+        _error(post("/v1/chat/completions", json={"model": "a1", "messages": "hi"}), 400)
+        load = "/v1/load_lora_adapter"
+        _error(post(load, json={"lora_name": "m", "lora_path": str(root / "missing")}), 404)
+        _error(post(load, json={"lora_name": "b", "lora_path": served["broken"]}), 400)
+        _error(post(load, json={"lora_name": "o", "lora_path": str(root / ".." / "x")}), 403)
+        _error(post(load, json={"lora_name": "o", "lora_path": "/tmp"}), 403)
+        _error(post("/v1/unload_lora_adapter", json={"lora_name": "never"}), 404)
+        assert http.get("/health").status_code == 200
+        metrics = http.get("/metrics").text
+        assert 'status="404"' in metrics and "raylora_request_latency_seconds" in metrics
+    r = client.completions.create(model="a1", prompt=PROMPT, max_tokens=3)
+    assert r.choices[0].text
+
+
+def test_load_use_unload_adapter(served, client):
+    with httpx.Client(base_url=served["url"], timeout=120) as http:
+        r = http.post(
+            "/v1/load_lora_adapter", json={"lora_name": "a3", "lora_path": served["extra"]}
+        )
+        assert r.status_code == 200, r.text
+        assert "a3" in {m.id for m in client.models.list().data}
+        out = client.completions.create(model="a3", prompt=PROMPT, max_tokens=4, temperature=0)
+        assert out.choices[0].text
+        r = http.post("/v1/unload_lora_adapter", json={"lora_name": "a3"})
+        assert r.status_code == 200, r.text
+        assert "a3" not in {m.id for m in client.models.list().data}
+        _error(http.post("/v1/completions", json={"model": "a3", "prompt": "x"}), 404)
+
+
+def test_client_disconnect_aborts_the_engine_request(served):
+    before = replica_stats(APP, want=2)
+    aborted_before = sum(s["num_aborted_requests"] for s in before.values())
+    body = {"model": "a1", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=served["url"], timeout=120) as http:
+        with http.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: ") and json.loads(line[6:])["choices"]:
+                    break  # got generated text: now hang up
+    deadline = time.monotonic() + 30
+    while True:
+        stats = replica_stats(APP, want=2)
+        aborted = sum(s["num_aborted_requests"] for s in stats.values())
+        running = sum(s["num_running"] + s["num_waiting"] for s in stats.values())
+        if (aborted > aborted_before and running == 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert aborted == aborted_before + 1
+    assert running == 0
+
+
+def test_residency_reaches_registry_and_router_stats(served):
+    import ray
+
+    from deployments.registry import get_registry
+
+    snap = ray.get(get_registry().snapshot.remote())
+    assert {"a1", "a2"} <= set(snap["adapters"])
+    holders = {r for r, e in snap["residency"].items() if "a1" in e["cpu"] or "a1" in e["slots"]}
+    assert holders, snap

@@ -1,0 +1,52 @@
+"""Routing simulator: invariants on a small fleet, and affinity vs power of two."""
+
+from dataclasses import replace
+
+import pytest
+
+from cluster.sim import POLICIES, SimConfig, format_table, main, simulate
+
+SMALL = SimConfig(
+    num_replicas=4,
+    max_loras=4,
+    max_cpu_loras=16,
+    max_num_seqs=8,
+    max_ongoing_requests=16,
+    num_adapters=60,
+    zipf_s=1.1,
+    num_requests=3000,
+    utilization=0.6,
+    prompt_tokens=64,
+    output_tokens=16,
+)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_request_completes_within_the_slot_bound(policy):
+    # check=True asserts, at every admission, <= max_loras distinct adapters running and
+    # <= max_loras adapters in slots, and that every replica ends empty.
+    res = simulate(policy, SMALL, check=True)
+    assert res.num_completed == SMALL.num_requests
+    assert sum(res.per_replica_served) == SMALL.num_requests
+    assert 0 < res.ttft_p50_ms <= res.ttft_p99_ms
+    assert res.disk_loads_per_1k <= res.slot_loads_per_1k
+
+
+def test_same_seed_same_result_and_affinity_loads_less_than_p2c():
+    a1, a2 = simulate("affinity", SMALL), simulate("affinity", SMALL)
+    assert a1.ttft_p99_ms == a2.ttft_p99_ms and a1.slot_loads_per_1k == a2.slot_loads_per_1k
+    p2c = simulate("p2c", SMALL)
+    assert a1.disk_loads_per_1k < 0.6 * p2c.disk_loads_per_1k
+    assert a1.slot_loads_per_1k < p2c.slot_loads_per_1k
+
+
+def test_base_only_traffic_needs_no_loads():
+    res = simulate("affinity", replace(SMALL, base_fraction=1.0, num_requests=500), check=True)
+    assert res.slot_loads_per_1k == 0 and res.num_completed == 500
+
+
+def test_cli_prints_a_table(capsys):
+    main(["--replicas", "3", "--adapters", "20", "--requests", "300", "--policies", "affinity,p2c"])
+    out = capsys.readouterr().out
+    assert "affinity" in out and "p2c" in out and "loads/1k" in out
+    assert format_table([]).startswith("policy")
