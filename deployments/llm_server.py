@@ -6,7 +6,8 @@ AdapterRegistry's `list_adapters`, cached here, plus the adapters the app was bu
 and loaded into the engine's CPU cache on first use. The engine's own LRU decides what stays
 in the CPU cache and in the slots; this replica reports every change of that residency, and
 the full state every `report_interval_s`, to the registry (so a restarted registry recovers)
-and, through `record_routing_stats`, to the AdapterAffinityRouter.
+and, through `record_routing_stats`, to the AdapterAffinityRouter. `record_autoscaling_stats`
+feeds the adapter-aware autoscaling policy (cluster/autoscaling.py).
 
 Errors leave this replica as `deployments.protocol.APIError` with the HTTP status, so
 callers never unpickle engine classes (and never import torch for it).
@@ -105,7 +106,9 @@ class LLMServer:
     ) -> None:
         from engine import AsyncLLMEngine, EngineConfig
 
-        self.engine = AsyncLLMEngine(EngineConfig(**engine_config))
+        config = EngineConfig(**engine_config)
+        self.engine = AsyncLLMEngine(config)
+        self._max_loras = int(config.max_loras)
         self.model_name: str = self.engine.model_name
         self.replica_id = _replica_id()
         self._report_interval_s = report_interval_s
@@ -119,6 +122,10 @@ class LLMServer:
         self._load_locks: dict[str, asyncio.Lock] = {}
         self._num_inflight = 0
         self._num_aborted = 0  # requests whose caller went away before they finished
+        self._num_requests = 0  # requests received, ever
+        self._adapter_inflight: dict[str, int] = {}  # adapter -> requests in flight here
+        # (monotonic time, num_requests, slot activations) at the last autoscaling sample
+        self._autoscaling_sample = (time.monotonic(), 0, 0)
         self._last_lora_stats: dict[str, int] = {}
         self._registry = _get_registry()
         self._loop = asyncio.get_running_loop()
@@ -179,6 +186,9 @@ class LLMServer:
         gen = None
         finished = False
         self._num_inflight += 1
+        self._num_requests += 1
+        if adapter:
+            self._adapter_inflight[adapter] = self._adapter_inflight.get(adapter, 0) + 1
         try:
             lora_request = await self._lora_request(adapter) if adapter else None
             params = SamplingParams(**request.get("sampling_params", {}))
@@ -204,6 +214,10 @@ class LLMServer:
             raise err from None
         finally:
             self._num_inflight -= 1
+            if adapter:
+                left = self._adapter_inflight.pop(adapter, 1) - 1
+                if left > 0:
+                    self._adapter_inflight[adapter] = left
             if gen is not None and not finished:
                 self._num_aborted += 1
             if gen is not None:
@@ -399,6 +413,34 @@ class LLMServer:
             "adapters_in_cpu": list(stats["adapters_in_cpu"]),
             "num_running": int(stats["num_running"]),
             "num_waiting": int(stats["num_waiting"]),
+        }
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Custom autoscaling metrics for cluster.autoscaling.AdapterAwarePolicy. Ray Serve
+        calls this every look_back_period_s x 0.2 when the deployment autoscales and averages
+        each metric per replica over look_back_period_s.
+
+        num_waiting_for_slot counts in-flight requests whose adapter is not in a slot, but
+        only while more distinct adapters are in flight than there are slots (otherwise an
+        idle slot can be taken at the next step and nobody is blocked on slots).
+        """
+        stats = self.engine.stats()
+        now = time.monotonic()
+        num_activations = int(stats.get("lora", {}).get("activations", 0))
+        last_time, last_requests, last_activations = self._autoscaling_sample
+        self._autoscaling_sample = (now, self._num_requests, num_activations)
+        dt = max(now - last_time, 1e-3)
+        wanted = self._adapter_inflight
+        blocked = 0
+        if len(wanted) > self._max_loras:
+            in_slots = set(stats["adapters_in_slots"])
+            blocked = sum(n for name, n in wanted.items() if name not in in_slots)
+        return {
+            "num_adapters_wanted": float(len(wanted)),
+            "max_loras": float(self._max_loras),
+            "num_waiting_for_slot": float(blocked),
+            "adapter_loads_per_s": (num_activations - last_activations) / dt,
+            "requests_per_s": (self._num_requests - last_requests) / dt,
         }
 
     # ------------------------------------------------------------------ info + lifecycle

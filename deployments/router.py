@@ -12,6 +12,9 @@ builds the `ReplicaView`s from what Ray and the AdapterRegistry know:
 
 Routing never waits on the registry: a failed or slow refresh keeps the previous snapshot,
 and a snapshot older than `registry_max_age_s` is ignored (the other sources still count).
+The refresh task starts with the first routed request and stops by itself when Ray is shut
+down in this process (a driver's router loop outlives `ray.shutdown()`) or when nothing was
+routed for `registry_max_age_s`; the next request starts it again.
 
 Configure through `request_router_config.request_router_kwargs`, which Ray passes to
 `initialize_state`:
@@ -27,6 +30,7 @@ import random
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import ray
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from deployments.routing_policy import DEFAULT_LOAD_BOUND_C, ReplicaView, rank_replicas
@@ -36,9 +40,15 @@ logger = logging.getLogger("ray.serve")
 SnapshotFetch = Callable[[], Awaitable[dict]]
 
 
+class RayShutDown(Exception):
+    """Raised by a snapshot fetch when Ray is no longer initialized in this process."""
+
+
 async def _fetch_registry_snapshot() -> dict:
     from deployments.registry import get_registry
 
+    if not ray.is_initialized():
+        raise RayShutDown()
     # get_actor is a blocking GCS lookup: keep it off the event loop.
     handle = await asyncio.to_thread(get_registry)
     return await handle.snapshot.remote()
@@ -77,6 +87,7 @@ class AdapterAffinityRouter(RequestRouter):
         self._snapshot: dict | None = None
         self._snapshot_time: float | None = None
         self._refresh_ok = True
+        self._last_route_time: float | None = None
         if getattr(self, "_refresh_task", None) is not None:
             self._refresh_task.cancel()
         self._refresh_task: asyncio.Task | None = None
@@ -84,9 +95,14 @@ class AdapterAffinityRouter(RequestRouter):
     # -- registry snapshot ------------------------------------------------------------
 
     async def refresh_registry_once(self) -> bool:
-        """Fetch one snapshot; on error keep the old one. Returns whether it succeeded."""
+        """Fetch one snapshot; on error keep the old one. Returns whether it succeeded.
+
+        Raises RayShutDown (from the fetch) when Ray was shut down in this process.
+        """
         try:
             snapshot = await self._fetch_snapshot()
+        except RayShutDown:
+            raise
         except Exception as e:  # a restarting registry must not break routing
             if self._refresh_ok:  # log once per run of failures, not every period
                 logger.warning(f"AdapterAffinityRouter: registry snapshot failed: {e!r}")
@@ -98,9 +114,18 @@ class AdapterAffinityRouter(RequestRouter):
         return True
 
     async def _refresh_loop(self) -> None:
-        while True:
-            await self.refresh_registry_once()
+        while not self._idle():
+            try:
+                await self.refresh_registry_once()
+            except RayShutDown:  # quietly: this process's log streams may be closed by now
+                return
             await asyncio.sleep(self._registry_refresh_s)
+
+    def _idle(self) -> bool:
+        """Nothing routed for registry_max_age_s: the snapshot would not be used anyway."""
+        if self._last_route_time is None:
+            return False
+        return self._get_curr_time_s() - self._last_route_time > self._registry_max_age_s
 
     def _ensure_refresh_task(self) -> None:
         if not self._use_registry:
@@ -137,6 +162,7 @@ class AdapterAffinityRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        self._last_route_time = self._get_curr_time_s()
         self._ensure_refresh_task()
         if not candidate_replicas:
             return []

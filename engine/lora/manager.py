@@ -38,7 +38,7 @@ class LoRAManager:
         self.num_loads = self.num_cpu_hits = self.num_cpu_evictions = 0
         self.linears = linears
         L, R = config.max_loras, config.max_lora_rank
-        for (_, packed), lin in linears.items():
+        for lin in linears.values():
             in_features = lin.weight.shape[1]
             lin.lora_a = [torch.zeros(L, R, in_features, device=device, dtype=dtype)
                           for _ in lin.out_sizes]

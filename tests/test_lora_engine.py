@@ -1,0 +1,161 @@
+"""Multi-LoRA in the engine against PEFT: three adapter shapes plus base requests in one engine
+with max_loras=2, so adapters are deferred and swapped; greedy tokens equal PEFT's."""
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams
+from engine.lora import errors
+from tests.lora_fixtures import make_adapter_set
+from tests.reference import assert_greedy_match, hf_greedy
+
+PROMPTS = ["Hello world!", "The capital of France is", "def add(a, b):\n    return",
+           "One, two, three, four, five,", "Low-rank adapters (LoRA) add a small update"]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
+    paths = make_adapter_set(tiny_model_dir, tmp_path_factory.mktemp("adapters"))
+    return {k: str(v) for k, v in paths.items()}
+
+
+def lora_requests(adapters: dict[str, str]) -> dict[str, LoRARequest]:
+    return {n: LoRARequest(n, i + 1, p) for i, (n, p) in enumerate(adapters.items())}
+
+
+def workload(loras: dict[str, LoRARequest]) -> list[tuple[str, str, LoRARequest | None]]:
+    """(req_id, prompt, lora) interleaving every adapter and the base model."""
+    reqs = []
+    for i, prompt in enumerate(PROMPTS):
+        for name in [*loras, None]:
+            reqs.append((f"{name}-{i}", prompt, loras[name] if name else None))
+    return reqs
+
+
+def run_checked(engine: LLMEngine, reqs, params, max_loras: int) -> dict[str, list[int]]:
+    """Run to completion, checking the max_loras bound on every step."""
+    for rid, prompt, lora in reqs:
+        engine.add_request(rid, prompt, params, lora)
+    done, max_seen = {}, 0
+    while engine.has_unfinished_requests():
+        out = engine.scheduler.schedule()
+        adapters_in_batch = {s.seq.lora_name for s in out.scheduled} - {None}
+        assert len(adapters_in_batch) <= max_loras
+        max_seen = max(max_seen, len(adapters_in_batch))
+        sampled = engine.model_runner.execute(out) if not out.is_empty else {}
+        engine.scheduler.update_from_output(out)
+        for o in engine.output_processor.process(out, sampled, engine.scheduler):
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+    assert max_seen == max_loras
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return done
+
+
+def peft_references(model_dir, adapters, reqs, tokenizer, max_tokens, eos):
+    refs = {}
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    models = {None: base}
+    for name, path in adapters.items():
+        m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        models[name] = PeftModel.from_pretrained(m, path).eval()
+    for rid, prompt, lora in reqs:
+        model = models[lora.lora_name if lora else None]
+        ids = tokenizer(prompt).input_ids
+        refs[rid] = (model, ids, hf_greedy(model, ids, max_tokens, eos))
+    return refs
+
+
+def check_parity(model_dir, adapters, engine, max_tokens=10):
+    loras = lora_requests(adapters)
+    reqs = workload(loras)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    ours = run_checked(engine, reqs, params, engine.config.max_loras)
+    refs = peft_references(model_dir, adapters, reqs, engine.tokenizer, max_tokens,
+                           engine.output_processor.eos_token_ids)
+    exact = sum(assert_greedy_match(m, ids, ours[rid], ref) for rid, (m, ids, ref) in refs.items())
+    assert exact >= len(reqs) - 1
+    # the adapters really change the output (else the test could not fail)
+    assert ours["qv4-1"] != ours["None-1"] or ours["all16-1"] != ours["None-1"]
+    stats = engine.stats()
+    assert stats["lora"]["evictions"] > 0  # three adapters, two slots: swapped
+    return ours
+
+
+def test_three_adapters_two_slots_match_peft(tiny_model_dir, adapters):
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir, max_loras=2, max_lora_rank=16,
+                                    max_cpu_loras=2, max_num_seqs=8, block_size=4))
+    check_parity(tiny_model_dir, adapters, engine)
+    assert engine.model_runner.lora_manager.num_cpu_evictions > 0  # CPU cache of 2 for 3
+
+
+@pytest.mark.timeout(600)
+def test_triton_kernels_in_engine_under_interpreter(tiny_model_dir, adapters, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir, max_loras=2, max_lora_rank=16,
+                                    max_num_seqs=16, block_size=4, lora_backend="triton"))
+    assert engine.model_runner.lora_backend == "triton"
+    check_parity(tiny_model_dir, adapters, engine, max_tokens=4)
+
+
+BAD_CASES = {
+    "missing": (lambda root: str(root / "nope"), errors.LoRANotFoundError),
+    "no_config": (lambda root: _bad(root, "no_config", config=None), errors.AdapterConfigError),
+    "rank_too_big": (lambda root: _bad(root, "big", r=64), errors.LoRARankError),
+    "dora": (lambda root: _bad(root, "dora", use_dora=True), errors.UnsupportedLoRAFeatureError),
+    "corrupt": (lambda root: _bad(root, "corrupt", corrupt=True), errors.CorruptLoRAWeightsError),
+}
+
+
+def _bad(root, name, config="keep", corrupt=False, **changes):
+    import json
+    import shutil
+
+    src = root / "qv4"
+    dst = root / f"bad-{name}"
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    cfg_path = dst / "adapter_config.json"
+    if config is None:
+        cfg_path.unlink()
+    elif changes:
+        cfg = json.loads(cfg_path.read_text())
+        cfg.update(changes)
+        cfg_path.write_text(json.dumps(cfg))
+    if corrupt:
+        w = dst / "adapter_model.safetensors"
+        w.write_bytes(w.read_bytes()[: 100])
+    return str(dst)
+
+
+def test_bad_adapters_do_not_disturb_the_batch(tiny_model_dir, adapters):
+    from pathlib import Path
+
+    root = Path(adapters["qv4"]).parent
+    loras = lora_requests(adapters)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    reqs = workload(loras)[:8]
+
+    def make():
+        return LLMEngine(EngineConfig(model=tiny_model_dir, max_loras=2, max_lora_rank=16,
+                                      max_num_seqs=8, block_size=4))
+
+    clean = run_checked(make(), reqs, params, 2)
+    engine = make()
+    for rid, prompt, lora in reqs:
+        engine.add_request(rid, prompt, params, lora)
+    done = {}
+    for i, (case, (build, exc)) in enumerate(BAD_CASES.items()):
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+        bad = LoRARequest(f"bad-{case}", 100 + i, build(root))
+        with pytest.raises(exc):
+            engine.add_request(f"bad-{case}", "Hello", params, bad)
+        assert f"bad-{case}" not in engine.list_loras()
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+    assert done == clean
