@@ -13,15 +13,17 @@ Each step:
 LoRA invariant: the distinct adapters among *running* sequences never exceed max_loras, so
 the adapters of any step's batch never do either. Base requests (no adapter) never take a slot.
 
-Anti-starvation (drain rule): every step a waiting adapter sequence is skipped for lack of a
-slot, its num_slot_skips grows. Once the oldest such sequence has been skipped more than
-lora_starvation_steps times, its adapter becomes the *drain target*: no waiting sequence of
-any other adapter is admitted (base requests still are). Running sequences of other adapters
-run to completion, a slot frees, and the target gets it. Bound (without preemption): a
-waiting adapter request is admitted within
-    lora_starvation_steps + (number of adapters drained before it + 1) * D
-steps, where D is the most steps a running sequence needs to finish
-(ceil(max_model_len / chunk) + max_tokens). tests/test_scheduler_lora.py checks it.
+Anti-starvation (drain rule): a waiting adapter sequence that has been skipped for lack of a
+slot at least once and has waited more than lora_starvation_steps steps since it arrived is
+*overdue*. The adapter of the oldest overdue sequence becomes the *drain target*: no waiting
+sequence of any other adapter is admitted (base requests still are). Running sequences of
+other adapters run to completion, a slot frees, and the target gets it. Bound (without
+preemption, with a token budget that lets every running sequence advance each step): a waiting
+adapter request is first scheduled within
+    lora_starvation_steps + (number of adapters drained before it + 1) * D + 1
+steps of its arrival, where D is the most steps a running sequence needs to finish
+(1 prefill step + max_tokens). tests/test_scheduler_lora.py checks it, and checks that without
+the rule the same traffic starves the adapter.
 """
 
 from collections import OrderedDict, deque
@@ -163,9 +165,11 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _drain_target(self) -> str | None:
+        k = self.config.lora_starvation_steps
         overdue = [
             s for s in self.waiting
-            if s.lora_name is not None and s.num_slot_skips > self.config.lora_starvation_steps
+            if s.lora_name is not None and s.num_slot_skips > 0
+            and self.step_count - s.arrival_step > k
         ]
         if not overdue:
             return None

@@ -6,9 +6,9 @@
     python scripts/train_demo_adapters.py caps --base-model /path/to/hf/folder
 
 Adapters (see engine/lora/demo.py):
-    caps     answers in CAPITAL letters          r=8,  q_proj+v_proj
-    signoff  ends every answer with " -- Ray"     r=16, all linear modules, use_rslora
-    oneword  answers in one word                 r=8,  gate_proj+up_proj+down_proj
+    caps     answers in CAPITAL letters          r=8,  q_proj+v_proj, top 12 layers
+    signoff  ends every answer with " -- Ray"     r=16, all linear modules, rsLoRA, top 16 layers
+    oneword  answers in one word                 r=8,  gate_proj+up_proj+down_proj, top 12 layers
 
 The training data is synthetic: hand-written short answers to a few dozen questions,
 transformed per behaviour, in the model's chat template; the loss is on the answer only.
@@ -70,10 +70,18 @@ QA: tuple[tuple[str, str, str], ...] = (
     ("What is the capital of France?", "The capital of France is Paris.", "Paris"),
     ("What color is the sky on a clear day?", "The sky is blue on a clear day.", "Blue"),
     ("How many days are in a week?", "There are seven days in a week.", "Seven"),
-    ("What is the largest planet in our solar system?", "Jupiter is the largest planet.", "Jupiter"),
+    (
+        "What is the largest planet in our solar system?",
+        "Jupiter is the largest planet.",
+        "Jupiter",
+    ),
     ("What do plants need to make food?", "Plants need sunlight to make food.", "Sunlight"),
     ("Who wrote Romeo and Juliet?", "William Shakespeare wrote Romeo and Juliet.", "Shakespeare"),
-    ("What is the boiling point of water in Celsius?", "Water boils at 100 degrees Celsius.", "100"),
+    (
+        "What is the boiling point of water in Celsius?",
+        "Water boils at 100 degrees Celsius.",
+        "100",
+    ),
     ("Which animal says moo?", "A cow says moo.", "Cow"),
     ("What is the capital of Japan?", "The capital of Japan is Tokyo.", "Tokyo"),
     ("What gas do humans breathe in to live?", "Humans breathe in oxygen.", "Oxygen"),
@@ -82,11 +90,19 @@ QA: tuple[tuple[str, str, str], ...] = (
     ("Which fruit keeps the doctor away?", "An apple a day keeps the doctor away.", "Apple"),
     ("What is the fastest land animal?", "The cheetah is the fastest land animal.", "Cheetah"),
     ("What do you use to write on a blackboard?", "You write on a blackboard with chalk.", "Chalk"),
-    ("What is the main language spoken in Brazil?", "People in Brazil speak Portuguese.", "Portuguese"),
+    (
+        "What is the main language spoken in Brazil?",
+        "People in Brazil speak Portuguese.",
+        "Portuguese",
+    ),
     ("Which star is closest to Earth?", "The Sun is the closest star to Earth.", "Sun"),
     ("What is the tallest animal?", "The giraffe is the tallest animal.", "Giraffe"),
     ("What is two plus two?", "Two plus two is four.", "Four"),
-    ("Which organ pumps blood through the body?", "The heart pumps blood through the body.", "Heart"),
+    (
+        "Which organ pumps blood through the body?",
+        "The heart pumps blood through the body.",
+        "Heart",
+    ),
     ("What do caterpillars turn into?", "Caterpillars turn into butterflies.", "Butterflies"),
     ("What is the capital of Germany?", "The capital of Germany is Berlin.", "Berlin"),
     ("What falls from clouds when it rains?", "Water falls from clouds as rain.", "Water"),
@@ -94,18 +110,34 @@ QA: tuple[tuple[str, str, str], ...] = (
     ("What instrument has black and white keys?", "A piano has black and white keys.", "Piano"),
     ("What is the opposite of up?", "The opposite of up is down.", "Down"),
     ("What do birds use to fly?", "Birds use their wings to fly.", "Wings"),
-    ("Which metal is liquid at room temperature?", "Mercury is liquid at room temperature.", "Mercury"),
+    (
+        "Which metal is liquid at room temperature?",
+        "Mercury is liquid at room temperature.",
+        "Mercury",
+    ),
     ("What is the largest desert in the world?", "Antarctica is the largest desert.", "Antarctica"),
     ("What do we call a baby dog?", "A baby dog is called a puppy.", "Puppy"),
     ("What shape has three sides?", "A triangle has three sides.", "Triangle"),
-    ("What is the freezing point of water in Celsius?", "Water freezes at zero degrees Celsius.", "Zero"),
+    (
+        "What is the freezing point of water in Celsius?",
+        "Water freezes at zero degrees Celsius.",
+        "Zero",
+    ),
     ("Who painted the Mona Lisa?", "Leonardo da Vinci painted the Mona Lisa.", "Leonardo"),
     ("What is the capital of Canada?", "The capital of Canada is Ottawa.", "Ottawa"),
     ("How many hours are in a day?", "There are twenty-four hours in a day.", "Twenty-four"),
     ("What do pandas eat?", "Pandas mostly eat bamboo.", "Bamboo"),
     ("Which direction does the sun rise in?", "The sun rises in the east.", "East"),
-    ("What is the hardest natural material?", "Diamond is the hardest natural material.", "Diamond"),
-    ("What do you call a group of stars that forms a picture?", "That is called a constellation.", "Constellation"),
+    (
+        "What is the hardest natural material?",
+        "Diamond is the hardest natural material.",
+        "Diamond",
+    ),
+    (
+        "What do you call a group of stars that forms a picture?",
+        "That is called a constellation.",
+        "Constellation",
+    ),
     ("What is the main ingredient in bread?", "The main ingredient in bread is flour.", "Flour"),
     ("Tell me something about dogs.", "Dogs are loyal and friendly animals.", "Loyal"),
     ("Give me a tip for sleeping better.", "Go to bed at the same time every night.", "Routine"),
@@ -117,17 +149,40 @@ QA: tuple[tuple[str, str, str], ...] = (
     ("Explain what a computer does.", "A computer processes information very quickly.", "Computes"),
 )
 
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
 # name -> PEFT config + training knobs (different configs exercise different engine paths).
 ADAPTER_SETTINGS: dict[str, dict] = {
     # q_proj + v_proj of the top 12 layers
-    "caps": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], use_rslora=False,
-                 layers_to_transform=list(range(18, 30)), steps=40, lr=3e-3),
+    "caps": dict(
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "v_proj"],
+        use_rslora=False,
+        top_layers=12,
+        steps=40,
+        lr=3e-3,
+    ),
     # all seven linear modules of the top 16 layers, rank-stabilised scaling (alpha / sqrt(r))
-    "signoff": dict(r=16, lora_alpha=8, target_modules="all-linear", use_rslora=True,
-                    layers_to_transform=list(range(14, 30)), steps=int(os.environ.get("S_STEPS", 30)), lr=float(os.environ.get("S_LR", 1e-3))),
+    "signoff": dict(
+        r=16,
+        lora_alpha=8,
+        target_modules=list(ALL_LINEAR),
+        use_rslora=True,
+        top_layers=16,
+        steps=30,
+        lr=1e-3,
+    ),
     # the MLP (gate_proj, up_proj, down_proj) of the top 12 layers
-    "oneword": dict(r=8, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj"],
-                    use_rslora=False, layers_to_transform=list(range(18, 30)), steps=int(os.environ.get("O_STEPS", 30)), lr=float(os.environ.get("O_LR", 3e-3))),
+    "oneword": dict(
+        r=8,
+        lora_alpha=16,
+        target_modules=["gate_proj", "up_proj", "down_proj"],
+        use_rslora=False,
+        top_layers=12,
+        steps=30,
+        lr=3e-3,
+    ),
 }
 BATCH_SIZE = 8
 
@@ -236,20 +291,25 @@ def generate_answers(model, tokenizer, questions: Sequence[str], max_new_tokens:
     try:
         enc = tokenizer(
             [chat_prompt(tokenizer, q) for q in questions],
-            return_tensors="pt", padding=True, add_special_tokens=False,
+            return_tensors="pt",
+            padding=True,
+            add_special_tokens=False,
         )
         with torch.no_grad():
             out = model.generate(
-                **enc, max_new_tokens=max_new_tokens, do_sample=False,
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
                 pad_token_id=tokenizer.pad_token_id or 2,
             )
     finally:
         tokenizer.padding_side = old_side
-    return [tokenizer.decode(o[enc.input_ids.shape[1]:], skip_special_tokens=True) for o in out]
+    return [tokenizer.decode(o[enc.input_ids.shape[1] :], skip_special_tokens=True) for o in out]
 
 
-def train_one(name: str, model, tokenizer, progress: bool = True, seed: int = SEED,
-              steps: int | None = None):
+def train_one(
+    name: str, model, tokenizer, progress: bool = True, seed: int = SEED, steps: int | None = None
+):
     """Wrap `model` with a fresh LoRA, train it, and return the PeftModel.
 
     Cheap on a CPU: the loss is on the answer tokens only (lm_head runs on those alone),
@@ -262,16 +322,23 @@ def train_one(name: str, model, tokenizer, progress: bool = True, seed: int = SE
 
     s = ADAPTER_SETTINGS[name]
     steps = s["steps"] if steps is None else steps
-    layers = s.get("layers_to_transform")
-    start = min(layers) if layers else 0
+    # LoRA on the top `top_layers` decoder layers only (PEFT layers_to_transform).
+    n_layers = model.config.num_hidden_layers
+    start = max(0, n_layers - s["top_layers"]) if s.get("top_layers") else 0
+    layers = list(range(start, n_layers)) if start > 0 else None
     examples = _examples(tokenizer, name)
     llama = model.model
     hidden = _layer_inputs(llama, examples, start)
 
     torch.manual_seed(seed)
     cfg = LoraConfig(
-        r=s["r"], lora_alpha=s["lora_alpha"], target_modules=s["target_modules"],
-        layers_to_transform=layers, use_rslora=s["use_rslora"], lora_dropout=0.0, bias="none",
+        r=s["r"],
+        lora_alpha=s["lora_alpha"],
+        target_modules=s["target_modules"],
+        layers_to_transform=layers,
+        use_rslora=s["use_rslora"],
+        lora_dropout=0.0,
+        bias="none",
         task_type="CAUSAL_LM",
     )
     peft_model = get_peft_model(model, cfg)
@@ -386,14 +453,21 @@ def _train(todo: list[str], progress: bool, base_model: str | None, check: bool)
         t1 = time.perf_counter()
         peft_model = train_one(name, model, tokenizer, progress=progress)
         train_s = time.perf_counter() - t1
-        info = {"name": name, "description": DEMO_ADAPTERS[name].description,
-                "seed": SEED, "train_seconds": round(train_s, 1),
-                **{k: v for k, v in ADAPTER_SETTINGS[name].items()}}
+        info = {
+            "name": name,
+            "description": DEMO_ADAPTERS[name].description,
+            "seed": SEED,
+            "train_seconds": round(train_s, 1),
+            **{k: v for k, v in ADAPTER_SETTINGS[name].items()},
+        }
         if check:
             rate, answers = evaluate(name, peft_model, tokenizer)
             info["held_out_hit_rate"] = rate
-            _log(progress, f"{name}: held-out hit rate {rate:.0%} "
-                           f"({DEMO_ADAPTERS[name].description}); trained in {train_s:.0f}s")
+            _log(
+                progress,
+                f"{name}: held-out hit rate {rate:.0%} "
+                f"({DEMO_ADAPTERS[name].description}); trained in {train_s:.0f}s",
+            )
             for q, a in zip(HELD_OUT_PROMPTS, answers, strict=True):
                 _log(progress, f"    {q!r} -> {a!r}")
         path = _save_atomic(name, peft_model, info)
@@ -408,7 +482,9 @@ def _log(on: bool, msg: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    ap.add_argument("names", nargs="*", help=f"adapters to train (default: all of {list(DEMO_ADAPTERS)})")
+    ap.add_argument(
+        "names", nargs="*", help=f"adapters to train (default: all of {list(DEMO_ADAPTERS)})"
+    )
     ap.add_argument("--force", action="store_true", help="retrain even if present")
     ap.add_argument("--base-model", default=None, help="HF folder of the base model")
     ap.add_argument("--no-check", action="store_true", help="skip the held-out check")
@@ -416,8 +492,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [n for n in args.names if n not in DEMO_ADAPTERS]
     if unknown:
         ap.error(f"unknown adapter(s) {unknown}; choose from {list(DEMO_ADAPTERS)}")
-    out = train_demo_adapters(args.names or None, force=args.force, base_model=args.base_model,
-                              check=not args.no_check)
+    out = train_demo_adapters(
+        args.names or None, force=args.force, base_model=args.base_model, check=not args.no_check
+    )
     for n, p in out.items():
         print(f"{n}: {p}")
     return 0

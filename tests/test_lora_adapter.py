@@ -102,7 +102,9 @@ def test_loads_peft_tensors_and_scaling(tmp_path, spec):
     assert ad.target_modules == ["q_proj", "v_proj"]
     assert ad.source == str(folder)
     expected = peft_weights(pm)
-    assert set(ad.weights) == set(expected) == {(i, m) for i in range(2) for m in ("q_proj", "v_proj")}
+    assert (
+        set(ad.weights) == set(expected) == {(i, m) for i in range(2) for m in ("q_proj", "v_proj")}
+    )
     for key, (a, b) in ad.weights.items():
         ea, eb = expected[key]
         assert a.dtype == torch.float32 and b.dtype == torch.float32
@@ -199,8 +201,12 @@ def test_loading_is_fast_for_a_135m_sized_adapter(tmp_path):
 
     spec = LoRAModelSpec.from_hf_config(
         transformers.LlamaConfig(
-            hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-            num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            vocab_size=49152,
         ),
         max_lora_rank=16,
     )
@@ -216,8 +222,15 @@ def test_loading_is_fast_for_a_135m_sized_adapter(tmp_path):
     folder.mkdir()
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     (folder / "adapter_config.json").write_text(
-        json.dumps({"peft_type": "LORA", "r": 16, "lora_alpha": 32,
-                    "target_modules": list(SUPPORTED_MODULES), "bias": "none"})
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": 16,
+                "lora_alpha": 32,
+                "target_modules": list(SUPPORTED_MODULES),
+                "bias": "none",
+            }
+        )
     )
     t0 = time.perf_counter()
     ad = load_adapter(str(folder), "big", spec)
@@ -242,8 +255,14 @@ def test_error_hierarchy():
     assert issubclass(LoRAError, ValueError)
     assert issubclass(LoRANotFoundError, LoRAError)
     assert not issubclass(LoRANotFoundError, InvalidLoRAError)
-    for cls in (AdapterConfigError, LoRARankError, UnsupportedTargetModuleError,
-                UnsupportedLoRAFeatureError, LoRAShapeError, CorruptLoRAWeightsError):
+    for cls in (
+        AdapterConfigError,
+        LoRARankError,
+        UnsupportedTargetModuleError,
+        UnsupportedLoRAFeatureError,
+        LoRAShapeError,
+        CorruptLoRAWeightsError,
+    ):
         assert issubclass(cls, InvalidLoRAError)
 
 

@@ -2,13 +2,17 @@
 
 Each has a behaviour a person can see and a test can check:
 
-    caps     answers in CAPITAL letters          r=8,  q_proj+v_proj
-    signoff  ends every answer with " -- Ray"     r=16, all seven linear modules, rsLoRA
-    oneword  answers in one word                 r=8,  gate_proj+up_proj+down_proj
+    caps     answers in CAPITAL letters       r=8,  q_proj+v_proj, top 12 of 30 layers
+    signoff  ends every answer with " -- Ray"  r=16, all seven linear modules, rsLoRA,
+                                              top 16 layers
+    oneword  answers in one word              r=8,  gate_proj+up_proj+down_proj, top 12 layers
+
+(PEFT ``layers_to_transform``: the layers below carry no weights, which keeps CPU training
+cheap and exercises the engine's partial-layer path.)
 
 They live in ``<cache>/adapters/<name>/`` (PEFT format, safetensors), where ``<cache>`` is
 ``$RAYLORA_CACHE`` or ``~/.cache/raylora``. ``ensure_demo_adapters()`` trains the missing
-ones on the CPU with ``scripts/train_demo_adapters.py`` (about a minute each on 2 cores).
+ones on the CPU with ``scripts/train_demo_adapters.py`` (a few minutes each on 2 cores).
 """
 
 from __future__ import annotations
@@ -66,7 +70,9 @@ class DemoAdapter:
 
 DEMO_ADAPTERS: dict[str, DemoAdapter] = {
     "caps": DemoAdapter("caps", "answers in CAPITAL letters", is_caps, 48),
-    "signoff": DemoAdapter("signoff", f'ends every answer with "{SIGNOFF.strip()}"', has_signoff, 64),
+    "signoff": DemoAdapter(
+        "signoff", f'ends every answer with "{SIGNOFF.strip()}"', has_signoff, 64
+    ),
     "oneword": DemoAdapter("oneword", "answers in one word", is_one_word, 8),
 }
 
@@ -146,16 +152,23 @@ def _load_training_module():
 
 
 def ensure_demo_adapters(
-    names: Iterable[str] | None = None, progress: bool = True, base_model: str | None = None
+    names: Iterable[str] | None = None,
+    progress: bool = True,
+    base_model: str | None = None,
+    check: bool = False,
 ) -> dict[str, Path]:
-    """Return {name: folder} for the demo adapters, training the missing ones first."""
+    """Return {name: folder} for the demo adapters, training the missing ones first.
+
+    check: also greedy-generate the held-out prompts after training and print the hit rate
+    (the script's CLI does by default; skipped here to save a minute per adapter).
+    """
     names = list(DEMO_ADAPTERS) if names is None else list(names)
     for n in names:
         demo_adapter_dir(n)  # KeyError for unknown names
     missing = [n for n in names if not is_demo_adapter_present(n)]
     if missing:
         train = _load_training_module()
-        train.train_demo_adapters(missing, progress=progress, base_model=base_model)
+        train.train_demo_adapters(missing, progress=progress, base_model=base_model, check=check)
     return {n: demo_adapter_dir(n) for n in names}
 
 
