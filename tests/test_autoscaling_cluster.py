@@ -28,6 +28,7 @@ AUTOSCALING = {
     "upscale_delay_s": 1.0,
     "downscale_delay_s": 3.0,
     "look_back_period_s": 2.0,
+    "metrics_interval_s": 0.5,
     "policy": {
         "policy_function": "cluster.autoscaling:AdapterAwarePolicy",
         "policy_kwargs": {"slot_target": 0.9, "max_miss_ratio": 0.5},

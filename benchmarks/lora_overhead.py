@@ -1,0 +1,176 @@
+"""LoRA overhead: many distinct adapters in one batch, against the base model and HF PEFT.
+
+    python benchmarks/lora_overhead.py                      # default model, issue 3 workload
+    python benchmarks/lora_overhead.py --model PATH --num-adapters 16 --rank 16 --batch 32
+
+Adapters: --num-adapters random PEFT LoRA adapters (rank --rank, every linear layer:
+q,k,v,o,gate,up,down; seeded; PEFT's zero lora_B replaced by random values), written to a
+temporary folder (or --adapter-dir, kept).
+
+(a) Decode step time: --batch sequences, batch / num_adapters per adapter, all adapters in
+    slots at once (max_loras = num_adapters), against the same prompts on the base model
+    (no adapter). Steady-state decode only (after every prefill), --steps steps per round,
+    --rounds rounds alternating base/LoRA first; medians. Each engine step is paired with the
+    bare model forward of its batch, so the forward's own LoRA cost is printed too.
+    Target: LoRA / base <= 1.1x.
+(b) Mixed-adapter throughput: the engine_throughput workload (--num-requests, prompt and
+    output lengths, --seed), request i on adapter i % num_adapters, all submitted at once,
+    against HF PEFT's mixed-batch `generate(adapter_names=...)` at batch --hf-batch with the
+    same adapters loaded into one PeftModel. Target: >= 2.5x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (  # noqa: E402
+    ALL_LINEARS,
+    finish_all,
+    load_hf_model,
+    log,
+    machine,
+    make_random_adapters,
+    make_workload,
+    num_matching,
+    run_engine,
+    run_hf,
+    setup_threads,
+    time_decode_steps,
+    verdict,
+    vocab_range,
+)
+
+STEP_TARGET = 1.1  # LoRA decode step over base decode step, at most
+MIXED_TARGET = 2.5  # raylora mixed-adapter tok/s over HF PEFT mixed-batch generate, at least
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="default", help="'default' or a local checkpoint folder")
+    p.add_argument("--num-adapters", type=int, default=16)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--batch", type=int, default=32, help="decode batch of part (a)")
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps per round, (a)")
+    p.add_argument("--rounds", type=int, default=2, help="base/LoRA rounds of (a)")
+    p.add_argument("--num-requests", type=int, default=64, help="workload of part (b)")
+    p.add_argument("--hf-batch", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--adapter-dir", default=None, help="write the adapters here (kept)")
+    p.add_argument("--skip-hf", action="store_true", help="part (a) only")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.batch % args.num_adapters:
+        raise SystemExit("--batch must be a multiple of --num-adapters")
+    threads = setup_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="raylora-bench-") as tmp:
+        out_dir = Path(args.adapter_dir or tmp)
+        return run(args, threads, out_dir)
+
+
+def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
+    from engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams
+    from engine.models.loader import resolve_model
+
+    n = args.num_adapters
+    path = resolve_model(args.model)
+    paths = make_random_adapters(path, out_dir, n, args.rank, ALL_LINEARS, args.seed)
+    names = [p.name for p in paths]
+    loras = [LoRARequest(name, i + 1, str(p)) for i, (name, p) in enumerate(zip(names, paths))]
+    engine = LLMEngine(EngineConfig(
+        model=str(path), max_loras=n, max_lora_rank=args.rank, max_cpu_loras=max(32, n),
+        max_num_seqs=max(64, args.batch, args.num_requests)))
+    low, high = vocab_range(engine.tokenizer, engine.model_runner.args.vocab_size)
+    work = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len),
+                         low, high, args.seed)
+    log(f"machine: {machine()}")
+    log(f"model: {path} ({engine.model_runner.args.num_layers} layers, fp32, {threads} threads, "
+        f"LoRA backend {engine.model_runner.lora_backend})")
+    log(f"adapters: {n} x rank {args.rank} on {','.join(ALL_LINEARS)} (max_loras {n})")
+
+    # warm-up: every adapter into its slot once, and the allocator at batch size
+    warm = make_workload(n, (8, 8), (4, 4), low, high, args.seed + 1)
+    run_engine(engine, warm, loras, desc="warm-up raylora")
+
+    # (a) decode step: LoRA batch vs base batch, paired rounds
+    prompts = (work.prompts * (args.batch // len(work.prompts) + 1))[: args.batch]
+    per = args.batch // n
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 4, ignore_eos=True)
+    timing: dict[str, dict[str, list[float]]] = {k: {"step": [], "fwd": []} for k in ("base", "lora")}
+    for r in range(args.rounds):
+        for kind in (("base", "lora") if r % 2 == 0 else ("lora", "base")):
+            for i, prompt in enumerate(prompts):
+                lora = loras[i // per] if kind == "lora" else None
+                engine.add_request(f"{kind}{r}-{i}", {"prompt_token_ids": prompt}, params, lora)
+            t = time_decode_steps(engine, args.steps, desc=f"round {r} {kind} decode")
+            finish_all(engine)
+            timing[kind]["step"] += t.step_s
+            timing[kind]["fwd"] += t.forward_s
+    med = {k: {m: statistics.median(v) for m, v in d.items()} for k, d in timing.items()}
+    step_ratio = med["lora"]["step"] / med["base"]["step"]
+    fwd_ratio = med["lora"]["fwd"] / med["base"]["fwd"]
+    log("")
+    log("== LoRA overhead: decode step ==")
+    log(f"batch {args.batch} ({per} per adapter, {n} adapters), contexts as in the workload, "
+        f"{len(timing['lora']['step'])} steps each (medians)")
+    log(f"base  engine.step(): {med['base']['step'] * 1e3:8.2f} ms   "
+        f"bare forward: {med['base']['fwd'] * 1e3:8.2f} ms")
+    log(f"LoRA  engine.step(): {med['lora']['step'] * 1e3:8.2f} ms   "
+        f"bare forward: {med['lora']['fwd'] * 1e3:8.2f} ms")
+    log(f"ratio LoRA / base (engine step): {step_ratio:.3f}x  "
+        f"{verdict(step_ratio, STEP_TARGET, False)}")
+    log(f"ratio LoRA / base (bare forward): {fwd_ratio:.3f}x")
+    result = {"base_step_ms": med["base"]["step"] * 1e3, "lora_step_ms": med["lora"]["step"] * 1e3,
+              "step_ratio": step_ratio, "forward_ratio": fwd_ratio}
+    if args.skip_hf:
+        return result
+
+    # (b) mixed-adapter throughput against HF PEFT
+    from peft import PeftModel
+
+    req_loras = [loras[i % n] for i in range(args.num_requests)]
+    ours = run_engine(engine, work, req_loras, desc="raylora mixed adapters")
+    pad_id = engine.tokenizer.pad_token_id
+    pad_id = pad_id if pad_id is not None else engine.tokenizer.eos_token_id
+    del engine
+    pm = PeftModel.from_pretrained(load_hf_model(path), str(paths[0]), adapter_name=names[0])
+    for name, p in zip(names[1:], paths[1:], strict=True):
+        pm.load_adapter(str(p), adapter_name=name)
+    pm.eval()
+    req_names = [names[i % n] for i in range(args.num_requests)]
+    run_hf(pm, make_workload(2, (8, 8), (4, 4), low, high, args.seed + 1), 2, pad_id,
+           req_names[:2], desc="warm-up HF PEFT")
+    theirs = run_hf(pm, work, args.hf_batch, pad_id, req_names,
+                    desc=f"HF PEFT mixed, batch {args.hf_batch}")
+    same, prefix = num_matching(ours.token_ids, theirs.token_ids)
+    ratio = ours.tok_per_s / theirs.tok_per_s
+    log("")
+    log("== LoRA overhead: mixed-adapter throughput ==")
+    log(f"workload: {args.num_requests} requests (request i on adapter i % {n}), prompts "
+        f"{args.prompt_len[0]}-{args.prompt_len[1]}, outputs {args.output_len[0]}-"
+        f"{args.output_len[1]} ({work.num_output_tokens} tokens), seed {args.seed}")
+    log(f"raylora engine (max_loras {n}): {ours.num_tokens} tokens in {ours.seconds:.2f} s = "
+        f"{ours.tok_per_s:.1f} tok/s")
+    log(f"HF PEFT generate(adapter_names=...) (batch {args.hf_batch}): {theirs.num_tokens} "
+        f"tokens in {theirs.seconds:.2f} s = {theirs.tok_per_s:.1f} tok/s")
+    log(f"ratio raylora / HF PEFT: {ratio:.2f}x  {verdict(ratio, MIXED_TARGET, True)}")
+    log(f"greedy agreement: {same}/{args.num_requests} requests identical, mean common prefix "
+        f"{prefix:.0%}")
+    result.update(engine_tok_s=ours.tok_per_s, peft_tok_s=theirs.tok_per_s,
+                  mixed_ratio=ratio, identical=same)
+    return result
+
+
+if __name__ == "__main__":
+    main()
