@@ -51,8 +51,10 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads), python {platform.python_version()}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), python {platform.python_version()}"
+    )
 
 
 # ---- workload ------------------------------------------------------------------------------
@@ -107,8 +109,9 @@ class RunResult:
         return self.num_tokens / self.seconds
 
 
-def run_engine(engine, workload: Workload, loras: list | None = None, desc: str = "raylora"
-               ) -> RunResult:
+def run_engine(
+    engine, workload: Workload, loras: list | None = None, desc: str = "raylora"
+) -> RunResult:
     """Submit every request at once (greedy, exact lengths), step until all finish."""
     from engine import SamplingParams
 
@@ -134,8 +137,14 @@ def run_engine(engine, workload: Workload, loras: list | None = None, desc: str 
 
 
 @torch.inference_mode()
-def run_hf(model, workload: Workload, batch_size: int, pad_id: int,
-           adapter_names: list[str] | None = None, desc: str = "HF generate") -> RunResult:
+def run_hf(
+    model,
+    workload: Workload,
+    batch_size: int,
+    pad_id: int,
+    adapter_names: list[str] | None = None,
+    desc: str = "HF generate",
+) -> RunResult:
     """HF `generate` in batches of batch_size (workload order): left padding, greedy, each
     batch runs to its longest requested output; only the requested tokens count as useful.
     adapter_names (one per request) turns on PEFT's mixed-adapter batches."""
@@ -151,11 +160,20 @@ def run_hf(model, workload: Workload, batch_size: int, pad_id: int,
         for row, p in enumerate(prompts):
             input_ids[row, width - len(p) :] = torch.tensor(p)
             mask[row, width - len(p) :] = 1
-        extra = {} if adapter_names is None else {"adapter_names": adapter_names[b : b + batch_size]}
+        extra = (
+            {} if adapter_names is None else {"adapter_names": adapter_names[b : b + batch_size]}
+        )
         out = model.generate(
-            input_ids=input_ids, attention_mask=mask, do_sample=False,
-            max_new_tokens=max(wants), min_new_tokens=max(wants),  # no early EOS: exact lengths
-            pad_token_id=pad_id, top_p=None, top_k=None, temperature=None, **extra,
+            input_ids=input_ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=max(wants),
+            min_new_tokens=max(wants),  # no early EOS: exact lengths
+            pad_token_id=pad_id,
+            top_p=None,
+            top_k=None,
+            temperature=None,
+            **extra,
         )
         ids.extend(out[row, width : width + want].tolist() for row, want in enumerate(wants))
     seconds = time.perf_counter() - t0
@@ -174,7 +192,9 @@ def num_matching(a: list[list[int]], b: list[list[int]]) -> tuple[int, float]:
     same = sum(x == y for x, y in zip(a, b, strict=True))
     prefix = []
     for x, y in zip(a, b, strict=True):
-        k = next((i for i, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), min(len(x), len(y)))
+        k = next(
+            (i for i, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), min(len(x), len(y))
+        )
         prefix.append(k / max(len(x), 1))
     return same, statistics.fmean(prefix)
 
@@ -182,14 +202,21 @@ def num_matching(a: list[list[int]], b: list[list[int]]) -> tuple[int, float]:
 # ---- adapters ------------------------------------------------------------------------------
 
 
-def make_random_adapters(model_path: str | Path, out_dir: Path, num_adapters: int, rank: int,
-                         targets: list[str], seed: int) -> list[Path]:
+def make_random_adapters(
+    model_path: str | Path,
+    out_dir: Path,
+    num_adapters: int,
+    rank: int,
+    targets: list[str],
+    seed: int,
+) -> list[Path]:
     """num_adapters PEFT LoRA folders with seeded random A and B (PEFT starts B at zero, which
     would make every adapter a no-op). B is small so the outputs stay model-like."""
     from peft import LoraConfig, get_peft_model
 
-    pm = get_peft_model(load_hf_model(model_path),
-                        LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
+    pm = get_peft_model(
+        load_hf_model(model_path), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets)
+    )
     paths = []
     for i in tqdm(range(num_adapters), desc="random adapters", unit="adapter"):
         gen = torch.Generator().manual_seed(seed * 10_007 + i)
@@ -212,7 +239,8 @@ def all_decoding(engine) -> bool:
     """Every unfinished sequence is past its prompt: the next step is a pure decode step."""
     sched = engine.scheduler
     return not sched.waiting and all(
-        s.num_computed_tokens >= s.num_prompt_tokens for s in sched.running)
+        s.num_computed_tokens >= s.num_prompt_tokens for s in sched.running
+    )
 
 
 def bare_decode_forward(engine) -> Callable[[], torch.Tensor]:
@@ -231,12 +259,18 @@ def bare_decode_forward(engine) -> Callable[[], torch.Tensor]:
     dev = runner.device
     lora = None
     if runner.lora_manager is not None and any(s >= 0 for s in slots):
-        lora = LoRABatchMeta.build(torch.tensor(slots, dtype=torch.int32, device=dev),
-                                   engine.config.max_loras)
-    ctx = ForwardContext(AttentionMetadata.build(specs, runner.block_size, dev), lora,
-                         runner.lora_backend)
-    args = (torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), ctx,
-            torch.arange(len(ids), device=dev))
+        lora = LoRABatchMeta.build(
+            torch.tensor(slots, dtype=torch.int32, device=dev), engine.config.max_loras
+        )
+    ctx = ForwardContext(
+        AttentionMetadata.build(specs, runner.block_size, dev), lora, runner.lora_backend
+    )
+    args = (
+        torch.tensor(ids, device=dev),
+        torch.tensor(positions, device=dev),
+        ctx,
+        torch.arange(len(ids), device=dev),
+    )
 
     def forward() -> torch.Tensor:
         with torch.inference_mode():
@@ -261,8 +295,9 @@ class DecodeTiming:
         return statistics.median(self.forward_s)
 
 
-def time_decode_steps(engine, num_steps: int, with_forward: bool = True,
-                      desc: str = "decode steps") -> DecodeTiming:
+def time_decode_steps(
+    engine, num_steps: int, with_forward: bool = True, desc: str = "decode steps"
+) -> DecodeTiming:
     """Step the engine to steady-state decode, then time num_steps engine.step() calls, each
     followed (paired, so both see the same load on shared cores) by the bare forward of the
     batch it just ran. The running sequences must not finish within these steps."""

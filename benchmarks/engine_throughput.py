@@ -52,8 +52,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--overhead-steps", type=int, default=40,
-                   help="decode steps timed for the step-vs-forward overhead (0: skip)")
+    p.add_argument(
+        "--overhead-steps",
+        type=int,
+        default=40,
+        help="decode steps timed for the step-vs-forward overhead (0: skip)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     return p.parse_args(argv)
 
@@ -63,22 +67,28 @@ def main(argv: list[str] | None = None) -> dict:
     threads = setup_threads(args.threads)
     from engine import EngineConfig, LLMEngine, SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs,
-                                    enable_lora=False))
+    engine = LLMEngine(
+        EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, enable_lora=False)
+    )
     path = engine.model_path
     low, high = vocab_range(engine.tokenizer, engine.model_runner.args.vocab_size)
-    work = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len),
-                         low, high, args.seed)
+    work = make_workload(
+        args.num_requests, tuple(args.prompt_len), tuple(args.output_len), low, high, args.seed
+    )
     pad_id = engine.tokenizer.pad_token_id
     pad_id = pad_id if pad_id is not None else engine.tokenizer.eos_token_id
     hf = load_hf_model(path)
     log(f"machine: {machine()}")
-    log(f"model: {path} ({engine.model_runner.args.num_layers} layers, "
-        f"hidden {engine.model_runner.args.hidden_size}, fp32, {threads} threads)")
-    log(f"workload: {args.num_requests} requests, prompts {args.prompt_len[0]}-"
+    log(
+        f"model: {path} ({engine.model_runner.args.num_layers} layers, "
+        f"hidden {engine.model_runner.args.hidden_size}, fp32, {threads} threads)"
+    )
+    log(
+        f"workload: {args.num_requests} requests, prompts {args.prompt_len[0]}-"
         f"{args.prompt_len[1]} tokens (total {sum(map(len, work.prompts))}), outputs "
         f"{args.output_len[0]}-{args.output_len[1]} tokens (total {work.num_output_tokens}), "
-        f"seed {args.seed}")
+        f"seed {args.seed}"
+    )
 
     # warm-up both sides (first calls allocate, pick kernels, fill caches)
     warm = make_workload(2, (8, 8), (4, 4), low, high, args.seed + 1)
@@ -92,21 +102,32 @@ def main(argv: list[str] | None = None) -> dict:
     ratio = ours.tok_per_s / theirs.tok_per_s
     log("")
     log("== Engine throughput ==")
-    log(f"raylora engine (max_num_seqs {args.max_num_seqs}): {ours.num_tokens} tokens in "
-        f"{ours.seconds:.2f} s = {ours.tok_per_s:.1f} tok/s  (preemptions: {preempted})")
-    log(f"HF generate (batch {args.hf_batch}):          {theirs.num_tokens} tokens in "
-        f"{theirs.seconds:.2f} s = {theirs.tok_per_s:.1f} tok/s")
+    log(
+        f"raylora engine (max_num_seqs {args.max_num_seqs}): {ours.num_tokens} tokens in "
+        f"{ours.seconds:.2f} s = {ours.tok_per_s:.1f} tok/s  (preemptions: {preempted})"
+    )
+    log(
+        f"HF generate (batch {args.hf_batch}):          {theirs.num_tokens} tokens in "
+        f"{theirs.seconds:.2f} s = {theirs.tok_per_s:.1f} tok/s"
+    )
     log(f"ratio raylora / HF: {ratio:.2f}x  {verdict(ratio, THROUGHPUT_TARGET, True)}")
-    log(f"greedy agreement: {same}/{len(work.prompts)} requests identical, mean common prefix "
-        f"{prefix:.0%} (fp32; random-token prompts make near-ties frequent)")
-    result = {"engine_tok_s": ours.tok_per_s, "hf_tok_s": theirs.tok_per_s,
-              "throughput_ratio": ratio, "identical": same}
+    log(
+        f"greedy agreement: {same}/{len(work.prompts)} requests identical, mean common prefix "
+        f"{prefix:.0%} (fp32; random-token prompts make near-ties frequent)"
+    )
+    result = {
+        "engine_tok_s": ours.tok_per_s,
+        "hf_tok_s": theirs.tok_per_s,
+        "throughput_ratio": ratio,
+        "identical": same,
+    }
     del hf
 
     if args.overhead_steps > 0:
         batch = min(args.num_requests, args.max_num_seqs)
-        params = SamplingParams(temperature=0.0, max_tokens=args.overhead_steps + 4,
-                                ignore_eos=True)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=args.overhead_steps + 64, ignore_eos=True
+        )
         for i in range(batch):
             engine.add_request(f"o{i}", {"prompt_token_ids": work.prompts[i]}, params)
         t = time_decode_steps(engine, args.overhead_steps, desc=f"decode steps, batch {batch}")
@@ -114,13 +135,16 @@ def main(argv: list[str] | None = None) -> dict:
         over = t.step_median / t.forward_median
         log("")
         log("== Engine step vs bare model forward (steady-state decode) ==")
-        log(f"batch {t.batch_size}, context {t.context_lens[0]}-{t.context_lens[1]} tokens, "
-            f"{len(t.step_s)} paired steps (medians)")
+        log(
+            f"batch {t.batch_size}, context {t.context_lens[0]}-{t.context_lens[1]} tokens, "
+            f"{len(t.step_s)} paired steps (medians)"
+        )
         log(f"engine.step():       {t.step_median * 1e3:.2f} ms")
         log(f"bare model forward:  {t.forward_median * 1e3:.2f} ms")
         log(f"overhead step / forward: {over:.3f}x  {verdict(over, OVERHEAD_TARGET, False)}")
-        result.update(step_ms=t.step_median * 1e3, forward_ms=t.forward_median * 1e3,
-                      overhead_ratio=over)
+        result.update(
+            step_ms=t.step_median * 1e3, forward_ms=t.forward_median * 1e3, overhead_ratio=over
+        )
     return result
 
 

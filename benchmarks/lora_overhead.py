@@ -87,16 +87,28 @@ def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
     path = resolve_model(args.model)
     paths = make_random_adapters(path, out_dir, n, args.rank, ALL_LINEARS, args.seed)
     names = [p.name for p in paths]
-    loras = [LoRARequest(name, i + 1, str(p)) for i, (name, p) in enumerate(zip(names, paths))]
-    engine = LLMEngine(EngineConfig(
-        model=str(path), max_loras=n, max_lora_rank=args.rank, max_cpu_loras=max(32, n),
-        max_num_seqs=max(64, args.batch, args.num_requests)))
+    loras = [
+        LoRARequest(name, i + 1, str(p))
+        for i, (name, p) in enumerate(zip(names, paths, strict=True))
+    ]
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(path),
+            max_loras=n,
+            max_lora_rank=args.rank,
+            max_cpu_loras=max(32, n),
+            max_num_seqs=max(64, args.batch, args.num_requests),
+        )
+    )
     low, high = vocab_range(engine.tokenizer, engine.model_runner.args.vocab_size)
-    work = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len),
-                         low, high, args.seed)
+    work = make_workload(
+        args.num_requests, tuple(args.prompt_len), tuple(args.output_len), low, high, args.seed
+    )
     log(f"machine: {machine()}")
-    log(f"model: {path} ({engine.model_runner.args.num_layers} layers, fp32, {threads} threads, "
-        f"LoRA backend {engine.model_runner.lora_backend})")
+    log(
+        f"model: {path} ({engine.model_runner.args.num_layers} layers, fp32, {threads} threads, "
+        f"LoRA backend {engine.model_runner.lora_backend})"
+    )
     log(f"adapters: {n} x rank {args.rank} on {','.join(ALL_LINEARS)} (max_loras {n})")
 
     # warm-up: every adapter into its slot once, and the allocator at batch size
@@ -106,10 +118,12 @@ def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
     # (a) decode step: LoRA batch vs base batch, paired rounds
     prompts = (work.prompts * (args.batch // len(work.prompts) + 1))[: args.batch]
     per = args.batch // n
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 4, ignore_eos=True)
-    timing: dict[str, dict[str, list[float]]] = {k: {"step": [], "fwd": []} for k in ("base", "lora")}
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 64, ignore_eos=True)
+    timing: dict[str, dict[str, list[float]]] = {
+        k: {"step": [], "fwd": []} for k in ("base", "lora")
+    }
     for r in range(args.rounds):
-        for kind in (("base", "lora") if r % 2 == 0 else ("lora", "base")):
+        for kind in ("base", "lora") if r % 2 == 0 else ("lora", "base"):
             for i, prompt in enumerate(prompts):
                 lora = loras[i // per] if kind == "lora" else None
                 engine.add_request(f"{kind}{r}-{i}", {"prompt_token_ids": prompt}, params, lora)
@@ -122,17 +136,29 @@ def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
     fwd_ratio = med["lora"]["fwd"] / med["base"]["fwd"]
     log("")
     log("== LoRA overhead: decode step ==")
-    log(f"batch {args.batch} ({per} per adapter, {n} adapters), contexts as in the workload, "
-        f"{len(timing['lora']['step'])} steps each (medians)")
-    log(f"base  engine.step(): {med['base']['step'] * 1e3:8.2f} ms   "
-        f"bare forward: {med['base']['fwd'] * 1e3:8.2f} ms")
-    log(f"LoRA  engine.step(): {med['lora']['step'] * 1e3:8.2f} ms   "
-        f"bare forward: {med['lora']['fwd'] * 1e3:8.2f} ms")
-    log(f"ratio LoRA / base (engine step): {step_ratio:.3f}x  "
-        f"{verdict(step_ratio, STEP_TARGET, False)}")
+    log(
+        f"batch {args.batch} ({per} per adapter, {n} adapters), contexts as in the workload, "
+        f"{len(timing['lora']['step'])} steps each (medians)"
+    )
+    log(
+        f"base  engine.step(): {med['base']['step'] * 1e3:8.2f} ms   "
+        f"bare forward: {med['base']['fwd'] * 1e3:8.2f} ms"
+    )
+    log(
+        f"LoRA  engine.step(): {med['lora']['step'] * 1e3:8.2f} ms   "
+        f"bare forward: {med['lora']['fwd'] * 1e3:8.2f} ms"
+    )
+    log(
+        f"ratio LoRA / base (engine step): {step_ratio:.3f}x  "
+        f"{verdict(step_ratio, STEP_TARGET, False)}"
+    )
     log(f"ratio LoRA / base (bare forward): {fwd_ratio:.3f}x")
-    result = {"base_step_ms": med["base"]["step"] * 1e3, "lora_step_ms": med["lora"]["step"] * 1e3,
-              "step_ratio": step_ratio, "forward_ratio": fwd_ratio}
+    result = {
+        "base_step_ms": med["base"]["step"] * 1e3,
+        "lora_step_ms": med["lora"]["step"] * 1e3,
+        "step_ratio": step_ratio,
+        "forward_ratio": fwd_ratio,
+    }
     if args.skip_hf:
         return result
 
@@ -149,26 +175,42 @@ def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
         pm.load_adapter(str(p), adapter_name=name)
     pm.eval()
     req_names = [names[i % n] for i in range(args.num_requests)]
-    run_hf(pm, make_workload(2, (8, 8), (4, 4), low, high, args.seed + 1), 2, pad_id,
-           req_names[:2], desc="warm-up HF PEFT")
-    theirs = run_hf(pm, work, args.hf_batch, pad_id, req_names,
-                    desc=f"HF PEFT mixed, batch {args.hf_batch}")
+    run_hf(
+        pm,
+        make_workload(2, (8, 8), (4, 4), low, high, args.seed + 1),
+        2,
+        pad_id,
+        req_names[:2],
+        desc="warm-up HF PEFT",
+    )
+    theirs = run_hf(
+        pm, work, args.hf_batch, pad_id, req_names, desc=f"HF PEFT mixed, batch {args.hf_batch}"
+    )
     same, prefix = num_matching(ours.token_ids, theirs.token_ids)
     ratio = ours.tok_per_s / theirs.tok_per_s
     log("")
     log("== LoRA overhead: mixed-adapter throughput ==")
-    log(f"workload: {args.num_requests} requests (request i on adapter i % {n}), prompts "
+    log(
+        f"workload: {args.num_requests} requests (request i on adapter i % {n}), prompts "
         f"{args.prompt_len[0]}-{args.prompt_len[1]}, outputs {args.output_len[0]}-"
-        f"{args.output_len[1]} ({work.num_output_tokens} tokens), seed {args.seed}")
-    log(f"raylora engine (max_loras {n}): {ours.num_tokens} tokens in {ours.seconds:.2f} s = "
-        f"{ours.tok_per_s:.1f} tok/s")
-    log(f"HF PEFT generate(adapter_names=...) (batch {args.hf_batch}): {theirs.num_tokens} "
-        f"tokens in {theirs.seconds:.2f} s = {theirs.tok_per_s:.1f} tok/s")
+        f"{args.output_len[1]} ({work.num_output_tokens} tokens), seed {args.seed}"
+    )
+    log(
+        f"raylora engine (max_loras {n}): {ours.num_tokens} tokens in {ours.seconds:.2f} s = "
+        f"{ours.tok_per_s:.1f} tok/s"
+    )
+    log(
+        f"HF PEFT generate(adapter_names=...) (batch {args.hf_batch}): {theirs.num_tokens} "
+        f"tokens in {theirs.seconds:.2f} s = {theirs.tok_per_s:.1f} tok/s"
+    )
     log(f"ratio raylora / HF PEFT: {ratio:.2f}x  {verdict(ratio, MIXED_TARGET, True)}")
-    log(f"greedy agreement: {same}/{args.num_requests} requests identical, mean common prefix "
-        f"{prefix:.0%}")
-    result.update(engine_tok_s=ours.tok_per_s, peft_tok_s=theirs.tok_per_s,
-                  mixed_ratio=ratio, identical=same)
+    log(
+        f"greedy agreement: {same}/{args.num_requests} requests identical, mean common prefix "
+        f"{prefix:.0%}"
+    )
+    result.update(
+        engine_tok_s=ours.tok_per_s, peft_tok_s=theirs.tok_per_s, mixed_ratio=ratio, identical=same
+    )
     return result
 
 

@@ -409,27 +409,58 @@ def build_openai_app(serving: OpenAIServing) -> FastAPI:
 # ---------------------------------------------------------------------- Ray Serve
 
 
+# A replica that dies mid-request (its node is lost, it is OOM-killed) fails the call with a
+# RayActorError, which Serve's handle does not retry. Before anything reached the client the
+# request is retried (the router drops or probes the dead replica), at most this many times.
+MAX_REPLICA_RETRIES = 3
+REPLICA_RETRY_BACKOFF_S = 0.5  # doubled after each retry
+
+
+def _replica_died(exc: BaseException) -> bool:
+    from ray.exceptions import RayActorError
+
+    return isinstance(exc, RayActorError)
+
+
 class ServeLLMBackend:
-    """LLMBackend over a DeploymentHandle to LLMServer; the adapter is the multiplexed id."""
+    """LLMBackend over a DeploymentHandle to LLMServer; the adapter is the multiplexed id.
+
+    A request whose replica dies before the first output (non-streamed: before the result)
+    is retried up to MAX_REPLICA_RETRIES times; a stream that already yielded is not.
+    """
 
     def __init__(self, handle) -> None:
         self._handle = handle
 
     async def stream(self, request: dict, adapter: str) -> AsyncIterator[dict]:
-        gen = self._handle.options(stream=True, multiplexed_model_id=adapter).generate.remote(
-            request
-        )
-        done = False
-        try:
-            async for item in gen:
-                yield item
-            done = True
-        finally:
-            if not done:
-                gen.cancel()  # the replica's generator is cancelled -> the engine aborts
+        handle = self._handle.options(stream=True, multiplexed_model_id=adapter)
+        for attempt in range(MAX_REPLICA_RETRIES + 1):
+            gen = handle.generate.remote(request)
+            done = started = False
+            try:
+                async for item in gen:
+                    started = True
+                    yield item
+                done = True
+                return
+            except Exception as e:
+                if started or attempt == MAX_REPLICA_RETRIES or not _replica_died(e):
+                    raise
+            finally:
+                if not done:
+                    gen.cancel()  # the replica's generator is cancelled -> the engine aborts
+            await asyncio.sleep(REPLICA_RETRY_BACKOFF_S * 2**attempt)
 
     async def complete(self, request: dict, adapter: str) -> dict:
-        return await self._handle.options(multiplexed_model_id=adapter).complete.remote(request)
+        handle = self._handle.options(multiplexed_model_id=adapter)
+        for attempt in range(MAX_REPLICA_RETRIES):
+            try:
+                return await handle.complete.remote(request)
+            except Exception as e:
+                if not _replica_died(e):
+                    raise
+            await asyncio.sleep(REPLICA_RETRY_BACKOFF_S * 2**attempt)
+        return await handle.complete.remote(request)
 
     async def load_adapter(self, name: str, path: str) -> dict:
         # Routed like a request for `name`: the replica that validates it keeps it cached.

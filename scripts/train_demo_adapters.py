@@ -300,7 +300,7 @@ def generate_answers(model, tokenizer, questions: Sequence[str], max_new_tokens:
                 **enc,
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
-                pad_token_id=tokenizer.pad_token_id or 2,
+                pad_token_id=2 if tokenizer.pad_token_id is None else tokenizer.pad_token_id,
             )
     finally:
         tokenizer.padding_side = old_side

@@ -1,0 +1,271 @@
+"""Adapter routing on a real local Ray Serve deployment: AdapterAffinityRouter vs Ray's default.
+
+    python benchmarks/routing.py            # 3 replicas x 2 slots, 12 adapters Zipf(1.1), 600 requests
+    python benchmarks/routing.py --smoke    # 2 replicas, 6 adapters, 60 requests (< 60 s)
+
+One request trace (Poisson arrivals, adapters drawn Zipf(s), seeded) is replayed against the
+app deployed once per policy, on a fresh deployment each time:
+  affinity  AdapterAffinityRouter (deployments/router.py), `serve_app` router=affinity
+  pow2      Ray's default PowerOfTwoChoicesRequestRouter (no request_router_config); the
+            replicas register no `serve.multiplexed` ids, so it picks 2 random replicas
+Requests go to the LLMServer deployment through a DeploymentHandle with the adapter as the
+multiplexed model id (the ingress's path, without the HTTP layer), from this driver, so the
+router runs here.
+
+Adapter loads = slot activations (an adapter copied into one of the `max_loras` slots) +
+disk loads (an adapter read into a replica's CPU cache), from each replica's engine stats
+(`LLMServer.stats()["lora"]`), counted from the end of the warm-up. Latency is the
+driver-side time of each request (p50 / p99). Exit status 1 if a request fails or, outside
+--smoke, affinity does not make >= --min-ratio (3) times fewer loads than pow2.
+
+The model is the tests' tiny random Llama and the adapters tiny random PEFT adapters, built
+once under --workdir: the benchmark measures routing, not the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def make_trace(
+    num_requests: int, num_adapters: int, zipf_s: float, rate: float, seed: int
+) -> list[tuple[float, str]]:
+    """[(arrival time in s, adapter name)]: Poisson arrivals, adapter k has weight 1/k^s."""
+    rng = random.Random(seed)
+    names = [f"ad{k:02d}" for k in range(num_adapters)]
+    weights = [1.0 / (k + 1) ** zipf_s for k in range(num_adapters)]
+    t, trace = 0.0, []
+    for _ in range(num_requests):
+        t += rng.expovariate(rate)
+        trace.append((t, rng.choices(names, weights)[0]))
+    return trace
+
+
+def build_assets(workdir: Path, num_adapters: int) -> tuple[str, dict[str, str]]:
+    """The tiny model and `num_adapters` tiny adapters (built once, reused)."""
+    from tests.model_fixtures import make_tiny_llama
+    from tests.serve_fixtures import make_tiny_adapter
+
+    model = workdir / "tiny-llama"
+    if not (model / "config.json").is_file():
+        make_tiny_llama(model)
+    adapters = {}
+    for k in range(num_adapters):
+        name = f"ad{k:02d}"
+        path = workdir / "adapters" / name
+        if not (path / "adapter_config.json").is_file():
+            make_tiny_adapter(model, path, 4, ["q_proj", "v_proj"], seed=k)
+        adapters[name] = str(path)
+    return str(model), adapters
+
+
+def replica_stats(handle, num_replicas: int, timeout_s: float = 60.0) -> dict[str, dict]:
+    """stats() of every replica (base-model calls are spread by power of two choices)."""
+    seen: dict[str, dict] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(seen) < num_replicas:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"saw only {len(seen)} of {num_replicas} replicas")
+        s = handle.stats.remote().result()
+        seen[s["replica_id"]] = s
+    return seen
+
+
+def lora_counts(stats: dict[str, dict]) -> dict[str, dict[str, int]]:
+    return {
+        rid: {
+            "activations": int(s["lora"].get("activations", 0)),
+            "disk": int(s["lora"].get("loads", 0)),
+        }
+        for rid, s in stats.items()
+    }
+
+
+async def replay(handle, trace, max_tokens: int) -> tuple[list[float], list[str]]:
+    """Send every request at its arrival time; -> (latencies in s, errors)."""
+    latencies: list[float] = []
+    errors: list[str] = []
+
+    async def one(i: int, adapter: str) -> None:
+        request = {
+            "prompt": f"request {i} for {adapter}:",
+            "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0},
+        }
+        start = time.perf_counter()
+        try:
+            out = await handle.options(multiplexed_model_id=adapter).complete.remote(request)
+            if not out["finished"]:
+                raise RuntimeError("unfinished output")
+            latencies.append(time.perf_counter() - start)
+        except Exception as e:
+            errors.append(f"{adapter}: {e!r}")
+
+    start = time.perf_counter()
+    tasks = []
+    for i, (t, adapter) in enumerate(trace):
+        delay = t - (time.perf_counter() - start)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i, adapter)))
+    await asyncio.gather(*tasks)
+    return latencies, errors
+
+
+def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -> dict:
+    from ray import serve
+
+    import serve_app
+
+    app_name = f"bench-{policy}"
+    app = serve_app.build_app(
+        {
+            "model": model,
+            "adapters": adapters,
+            "num_replicas": args.replicas,
+            "num_cpus": 0.5,
+            "router": policy,
+            "load_bound_c": args.load_bound_c,
+            "max_loras": args.max_loras,
+            "max_cpu_loras": args.max_cpu_loras,
+            "max_num_seqs": args.max_num_seqs,
+            "num_kv_blocks": 256,
+            "routing_stats_period_s": 1.0,
+            "report_interval_s": 1.0,
+        }
+    )
+    serve.run(app, name=app_name, route_prefix=None)
+    try:
+        handle = serve.get_deployment_handle("LLMServer", app_name=app_name)
+        warm = {"prompt": "warm up", "sampling_params": {"max_tokens": 2, "temperature": 0}}
+        for _ in range(4 * args.replicas):  # base model only: no adapter is loaded
+            handle.complete.remote(warm).result()
+        before = lora_counts(replica_stats(handle, args.replicas))
+        t0 = time.perf_counter()
+        latencies, errors = asyncio.run(replay(handle, trace, args.max_tokens))
+        wall = time.perf_counter() - t0
+        after_stats = replica_stats(handle, args.replicas)
+        after = lora_counts(after_stats)
+    finally:
+        serve.delete(app_name)
+    activations = sum(after[r]["activations"] - before[r]["activations"] for r in after)
+    disk = sum(after[r]["disk"] - before[r]["disk"] for r in after)
+    resident = [len(s["adapters_in_cpu"]) for s in after_stats.values()]
+    lat = sorted(latencies)
+    return {
+        "policy": policy,
+        "ok": len(latencies),
+        "errors": errors,
+        "activations": activations,
+        "disk": disk,
+        "loads": activations + disk,
+        "p50_ms": 1000 * lat[len(lat) // 2] if lat else float("nan"),
+        "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else float("nan"),
+        "mean_ms": 1000 * statistics.fmean(lat) if lat else float("nan"),
+        "cpu_cached_per_replica": resident,
+        "wall_s": wall,
+    }
+
+
+def print_table(results: list[dict], num_requests: int) -> None:
+    header = (
+        f"{'policy':<10}{'ok':>6}{'slot loads':>12}{'disk loads':>12}{'all loads':>11}"
+        f"{'loads/req':>11}{'p50':>9}{'p99':>9}  adapters in CPU per replica"
+    )
+    print(header)
+    for r in results:
+        print(
+            f"{r['policy']:<10}{r['ok']:>6}{r['activations']:>12}{r['disk']:>12}{r['loads']:>11}"
+            f"{r['loads'] / num_requests:>11.2f}{r['p50_ms']:>7.0f}ms{r['p99_ms']:>7.0f}ms"
+            f"  {r['cpu_cached_per_replica']}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--max-loras", type=int, default=2)
+    p.add_argument("--max-cpu-loras", type=int, default=4)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--adapters", type=int, default=12)
+    p.add_argument("--zipf", type=float, default=1.1)
+    p.add_argument("--requests", type=int, default=600)
+    p.add_argument("--rate", type=float, default=15.0, help="arrivals per second")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--load-bound-c", type=float, default=None, help="affinity's c (default 1.25)")
+    p.add_argument("--policies", default="affinity,pow2")
+    p.add_argument("--min-ratio", type=float, default=3.0)
+    p.add_argument("--workdir", type=Path, default=Path.home() / ".cache/raylora/bench-routing")
+    p.add_argument("--smoke", action="store_true", help="2 replicas, 6 adapters, 60 requests")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.replicas, args.adapters, args.requests, args.rate = 2, 6, 60, 20.0
+        args.max_tokens = 4
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        x for x in [str(REPO), os.environ.get("PYTHONPATH", "")] if x
+    )
+    model, adapters = build_assets(args.workdir, args.adapters)
+    trace = make_trace(args.requests, args.adapters, args.zipf, args.rate, args.seed)
+    counts: dict[str, int] = {}
+    for _, a in trace:
+        counts[a] = counts.get(a, 0) + 1
+    print(
+        f"trace: {args.requests} requests over {trace[-1][0]:.0f}s, {args.adapters} adapters "
+        f"Zipf({args.zipf}) (top 3: {sorted(counts.values(), reverse=True)[:3]}), "
+        f"{args.replicas} replicas x {args.max_loras} slots, CPU cache {args.max_cpu_loras}"
+    )
+
+    import ray
+    from ray import serve
+
+    ray.init(
+        num_cpus=max(2, args.replicas),
+        include_dashboard=False,
+        namespace="raylora-bench",
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+    )
+    results = []
+    try:
+        serve.start(proxy_location="Disabled")
+        for policy in args.policies.split(","):
+            results.append(run_policy(policy, args, model, adapters, trace))
+            print(f"  {policy}: done in {results[-1]['wall_s']:.1f}s", flush=True)
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+    print()
+    print_table(results, args.requests)
+    failed = any(r["errors"] or r["ok"] != args.requests for r in results)
+    for r in results:
+        for e in r["errors"][:3]:
+            print(f"  {r['policy']} error: {e}")
+    by_policy = {r["policy"]: r for r in results}
+    if "affinity" in by_policy and "pow2" in by_policy:
+        ratio = by_policy["pow2"]["loads"] / max(1, by_policy["affinity"]["loads"])
+        met = ratio >= args.min_ratio
+        print(f"\npow2 / affinity adapter loads: {ratio:.1f}x (target >= {args.min_ratio}x)")
+        if not args.smoke and not met:
+            failed = True
+    print("all requests completed" if not failed else "FAILED")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
