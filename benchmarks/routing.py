@@ -1,7 +1,9 @@
 """Adapter routing on a real local Ray Serve deployment: AdapterAffinityRouter vs Ray's default.
 
-    python benchmarks/routing.py            # 3 replicas x 2 slots, 12 adapters Zipf(1.1), 600 requests
+    python benchmarks/routing.py            # 4 replicas x 3 slots, CPU cache 6, 12 adapters Zipf(1.1),
+                                            # 600 requests at 15/s (~2.5 min)
     python benchmarks/routing.py --smoke    # 2 replicas, 6 adapters, 60 requests (< 60 s)
+    python benchmarks/routing.py --replicas 3 --max-loras 2 --max-cpu-loras 4 --load-bound-c 3
 
 One request trace (Poisson arrivals, adapters drawn Zipf(s), seeded) is replayed against the
 app deployed once per policy, on a fresh deployment each time:
@@ -192,9 +194,9 @@ def print_table(results: list[dict], num_requests: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--replicas", type=int, default=3)
-    p.add_argument("--max-loras", type=int, default=2)
-    p.add_argument("--max-cpu-loras", type=int, default=4)
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--max-loras", type=int, default=3)
+    p.add_argument("--max-cpu-loras", type=int, default=6)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--adapters", type=int, default=12)
     p.add_argument("--zipf", type=float, default=1.1)

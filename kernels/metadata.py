@@ -36,6 +36,10 @@ class LoRABatchMeta:
     # For the torch path (int64 because index_copy_/index_fill_ want it):
     lora_token_ids: torch.Tensor  # [num_lora_tokens] int64, = sorted_token_ids[:num_lora_tokens]
     lora_token_slots: torch.Tensor  # [num_lora_tokens] int64, slot of each of lora_token_ids
+    # Padded SGMV layout for the torch path: segment i's tokens in row i, padded with token 0.
+    padded_token_ids: torch.Tensor  # [A, max_tokens_per_slot] int64
+    padded_rows: torch.Tensor  # [num_lora_tokens] int64, row of each lora token in the flat pad
+    active_slots_long: torch.Tensor  # [A] int64
     # Host copies of the [A] tensors, for the torch path's loop over slots (no syncs).
     active_slots_list: tuple[int, ...]
     slot_starts_list: tuple[int, ...]
@@ -76,18 +80,27 @@ class LoRABatchMeta:
         )
         num_active = len(uniq_l)
         num_lora_tokens = sum(counts_l)
+        max_n = max(counts_l, default=0)
+        lora_ids = order[:num_lora_tokens]
+        pad_rows = [i * max_n + j for i, c in enumerate(counts_l) for j in range(c)]
+        padded_rows = torch.tensor(pad_rows, dtype=torch.int64, device=token_slots.device)
+        padded = torch.zeros(num_active * max_n, dtype=torch.int64, device=token_slots.device)
+        padded[padded_rows] = lora_ids
         return cls(
             token_slots=token_slots.to(torch.int32).contiguous(),
             sorted_token_ids=order.to(torch.int32),
             num_tokens_per_slot=counts[:num_active].to(torch.int32),
             slot_starts=starts[:num_active].to(torch.int32),
             active_slots=uniq[:num_active].to(torch.int32),
-            max_tokens_per_slot=max(counts_l, default=0),
+            max_tokens_per_slot=max_n,
             no_lora=num_active == 0,
             num_tokens=num_tokens,
             num_lora_tokens=num_lora_tokens,
             lora_token_ids=order[:num_lora_tokens],
             lora_token_slots=sorted_key[:num_lora_tokens],
+            padded_token_ids=padded.view(num_active, max_n),
+            padded_rows=padded_rows,
+            active_slots_long=uniq[:num_active].to(torch.int64),
             active_slots_list=tuple(uniq_l),
             slot_starts_list=tuple(starts_l),
             num_tokens_per_slot_list=tuple(counts_l),
