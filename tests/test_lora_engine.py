@@ -159,3 +159,13 @@ def test_bad_adapters_do_not_disturb_the_batch(tiny_model_dir, adapters):
             if o.finished:
                 done[o.request_id] = o.outputs[0].token_ids
     assert done == clean
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_default_model_three_adapters_match_peft(default_model_dir, tmp_path):
+    adapters = {k: str(v) for k, v in
+                make_adapter_set(default_model_dir, tmp_path, std=0.02).items()}
+    engine = LLMEngine(EngineConfig(model="default", max_loras=2, max_lora_rank=16,
+                                    max_num_seqs=8, max_num_batched_tokens=256))
+    check_parity(default_model_dir, adapters, engine, max_tokens=8)
