@@ -35,7 +35,12 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 
-from deployments.routing_policy import ReplicaView, power_of_two, rank_replicas
+from deployments.routing_policy import (
+    DEFAULT_MIN_LOAD_BOUND,
+    ReplicaView,
+    power_of_two,
+    rank_replicas,
+)
 
 POLICIES = ("affinity", "p2c", "ray_multiplex", "round_robin", "random")
 
@@ -62,6 +67,7 @@ class SimConfig:
     disk_load_ms: float = 150.0  # disk -> CPU cache -> GPU slot
     starvation_ms: float = 500.0
     load_bound_c: float = 1.25
+    min_load_bound: int = DEFAULT_MIN_LOAD_BOUND
     seed: int = 0
 
     def mean_service_ms_full_batch(self) -> float:
@@ -253,7 +259,8 @@ class Router:
         reps, rng = self.replicas, self.rng
         if self.policy == "affinity":
             views = [r.view() for r in reps]
-            ranked = rank_replicas(adapter, views, load_bound_c=self.cfg.load_bound_c, rng=rng)
+            ranked = rank_replicas(adapter, views, load_bound_c=self.cfg.load_bound_c,
+                                   min_load_bound=self.cfg.min_load_bound, rng=rng)
             tiers = [[self.by_id[v.replica_id] for v in t] for t in ranked]
         elif self.policy == "p2c":
             tiers = [

@@ -18,7 +18,7 @@ routed for `registry_max_age_s`; the next request starts it again.
 
 Configure through `request_router_config.request_router_kwargs`, which Ray passes to
 `initialize_state`:
-    load_bound_c (1.25), registry_refresh_s (2.0), registry_max_age_s (30.0),
+    load_bound_c (1.25), min_load_bound (4), registry_refresh_s (2.0), registry_max_age_s (30.0),
     use_registry (True), seed (None).
 """
 
@@ -33,7 +33,12 @@ from typing import Any
 import ray
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from deployments.routing_policy import DEFAULT_LOAD_BOUND_C, ReplicaView, rank_replicas
+from deployments.routing_policy import (
+    DEFAULT_LOAD_BOUND_C,
+    DEFAULT_MIN_LOAD_BOUND,
+    ReplicaView,
+    rank_replicas,
+)
 
 logger = logging.getLogger("ray.serve")
 
@@ -69,6 +74,7 @@ class AdapterAffinityRouter(RequestRouter):
     def initialize_state(
         self,
         load_bound_c: float = DEFAULT_LOAD_BOUND_C,
+        min_load_bound: int = DEFAULT_MIN_LOAD_BOUND,
         registry_refresh_s: float = 2.0,
         registry_max_age_s: float = 30.0,
         use_registry: bool = True,
@@ -78,6 +84,7 @@ class AdapterAffinityRouter(RequestRouter):
         if load_bound_c < 1.0:
             raise ValueError(f"load_bound_c must be >= 1, got {load_bound_c}")
         self._load_bound_c = float(load_bound_c)
+        self._min_load_bound = int(min_load_bound)
         self._registry_refresh_s = float(registry_refresh_s)
         self._registry_max_age_s = float(registry_max_age_s)
         self._use_registry = bool(use_registry)
@@ -175,5 +182,7 @@ class AdapterAffinityRouter(RequestRouter):
         residency = self._snapshot_residency()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         views = [self._view(r, residency) for r in candidate_replicas]
-        tiers = rank_replicas(adapter_id, views, load_bound_c=self._load_bound_c, rng=self._rng)
+        tiers = rank_replicas(
+            adapter_id, views, load_bound_c=self._load_bound_c,
+            min_load_bound=self._min_load_bound, rng=self._rng)
         return [[by_id[v.replica_id] for v in tier] for tier in tiers]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 DEFAULT_LOAD_BOUND_C = 1.25
+DEFAULT_MIN_LOAD_BOUND = 4  # requests a replica batches before it can count as "full"
 
 
 @dataclass(frozen=True)
@@ -50,15 +51,19 @@ def rendezvous_order(adapter_id: str, replica_ids: Sequence[str]) -> list[str]:
     return list(_rendezvous_order(adapter_id, tuple(sorted(replica_ids))))
 
 
-def load_bound(total_load: float, num_replicas: int, c: float) -> int:
-    """Per-replica capacity for the next request: ceil(c * (total_load + 1) / n).
+def load_bound(total_load: float, num_replicas: int, c: float, min_bound: int = 1) -> int:
+    """Per-replica capacity for the next request: max(min_bound, ceil(c * (total_load + 1) / n)).
 
     Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018): with the
     incoming request counted, no replica may hold more than c times the mean. A replica is
     under the bound when `load + 1 <= load_bound(...)`. On an idle cluster the bound is 1,
     so every idle replica qualifies and the first choice in hash order wins.
+
+    min_bound: a replica batches many requests at once (continuous batching), so at low load
+    one or two requests do not make it "full"; spilling then would only cost adapter loads.
+    Below min_bound requests a replica is always under the bound.
     """
-    return max(1, math.ceil(c * (total_load + 1) / num_replicas))
+    return max(1, min_bound, math.ceil(c * (total_load + 1) / num_replicas))
 
 
 def power_of_two(replicas: Sequence[ReplicaView], rng: random.Random) -> list[list[ReplicaView]]:
@@ -82,6 +87,7 @@ def rank_replicas(
     replicas: Sequence[ReplicaView],
     *,
     load_bound_c: float = DEFAULT_LOAD_BOUND_C,
+    min_load_bound: int = DEFAULT_MIN_LOAD_BOUND,
     rng: random.Random,
 ) -> list[list[ReplicaView]]:
     """Rank `replicas` for a request for `adapter_id` ("" = base model).
@@ -91,7 +97,7 @@ def rank_replicas(
       tier 1: every other replica, least loaded first.
 
     Adapter requests: walk the rendezvous order of `adapter_id` over the replicas, with
-    bound B = load_bound(total load, n, c) (a replica is under it if load + 1 <= B):
+    bound B = load_bound(total load, n, c, min_load_bound) (under it if load + 1 <= B):
       tier 0: the first replica in that order that has the adapter in a GPU slot and is
               under the bound (no load at all);
       tier 1: the first replica in that order that has it in its CPU cache and is under
@@ -113,7 +119,7 @@ def rank_replicas(
 
     by_id = {r.replica_id: r for r in replicas}
     order = rendezvous_order(adapter_id, list(by_id))
-    bound = load_bound(sum(r.load for r in replicas), len(replicas), load_bound_c)
+    bound = load_bound(sum(r.load for r in replicas), len(replicas), load_bound_c, min_load_bound)
     in_slots: ReplicaView | None = None
     in_cpu: ReplicaView | None = None
     first_free: ReplicaView | None = None
