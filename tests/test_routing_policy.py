@@ -30,10 +30,10 @@ def ref_order(adapter: str, ids: list[str]) -> list[str]:
     return sorted(ids, key=lambda r: (-score(r), r))
 
 
-def ref_rank(adapter: str, replicas: list[ReplicaView], c: float) -> list[str]:
+def ref_rank(adapter: str, replicas: list[ReplicaView], c: float, min_bound: int) -> list[str]:
     """Brute force of the documented tiers: ids of tiers 0-2 (single replicas)."""
     n, total = len(replicas), sum(r.load for r in replicas)
-    bound = max(1, math.ceil(c * (total + 1) / n))
+    bound = max(1, min_bound, math.ceil(c * (total + 1) / n))
     by_id = {r.replica_id: r for r in replicas}
     under = [by_id[i] for i in ref_order(adapter, list(by_id)) if by_id[i].load + 1 <= bound]
     picks = [
@@ -87,6 +87,8 @@ def test_first_choices_are_spread_evenly():
 def test_load_bound_idle_and_busy():
     assert load_bound(0, 16, 1.25) == 1  # idle: every replica is under the bound
     assert load_bound(159, 16, 1.25) == math.ceil(1.25 * 160 / 16)
+    assert load_bound(3, 4, 1.25, min_bound=4) == 4  # light load: nobody is "full" yet
+    assert load_bound(159, 16, 1.25, min_bound=4) == math.ceil(1.25 * 160 / 16)
 
 
 @settings(max_examples=300, deadline=None)
@@ -96,8 +98,9 @@ def test_load_bound_idle_and_busy():
     cpu_mask=st.integers(0, 255),
     adapter=st.sampled_from(["a", "b", "hot", "cold-7"]),
     c=st.sampled_from([1.0, 1.1, 1.25, 2.0]),
+    min_bound=st.sampled_from([1, 2, 4]),
 )
-def test_rank_matches_reference(loads, slot_mask, cpu_mask, adapter, c):
+def test_rank_matches_reference(loads, slot_mask, cpu_mask, adapter, c, min_bound):
     replicas = [
         view(
             f"r{i}",
@@ -107,10 +110,11 @@ def test_rank_matches_reference(loads, slot_mask, cpu_mask, adapter, c):
         )
         for i, load in enumerate(loads)
     ]
-    tiers = rank_replicas(adapter, replicas, load_bound_c=c, rng=random.Random(0))
+    tiers = rank_replicas(adapter, replicas, load_bound_c=c, min_load_bound=min_bound,
+                          rng=random.Random(0))
     flat = [r.replica_id for t in tiers for r in t]
     assert sorted(flat) == sorted(r.replica_id for r in replicas)  # each replica exactly once
-    singles = ref_rank(adapter, replicas, c)
+    singles = ref_rank(adapter, replicas, c, min_bound)
     assert singles, "with integer loads some replica is always under the bound"
     assert [t[0].replica_id for t in tiers[: len(singles)]] == singles
     assert all(len(t) == 1 for t in tiers[: len(singles)])
