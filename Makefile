@@ -25,7 +25,7 @@ adapters: model
 
 # The main job: the OpenAI-compatible Serve app on http://127.0.0.1:8000 (default model + demo adapters)
 serve: adapters
-	$(BIN)/serve run serve_app:app
+	$(BIN)/serve run --name raylora serve_app:app
 
 # Terminal demo: stream a chat answer from the engine, with and without a demo adapter
 demo: adapters
