@@ -1,0 +1,260 @@
+"""AdapterAffinityRouter and AdapterRegistry end to end, on one local Ray Serve app.
+
+Tiny model, 2 LLMServer replicas (half a CPU each), 4 tiny PEFT adapters, called through
+a DeploymentHandle to LLMServer with `multiplexed_model_id` (the driver's handle runs the
+AdapterAffinityRouter). Which replica served a request is read from the replicas' own
+`stats()`: the adapters each holds (a replica only loads an adapter it served) and the
+requests in flight at each replica.
+
+Checks: sequential requests for an adapter stay on its first replica in rendezvous order;
+a hot adapter spills to the other replica once its holder passes the load bound;
+base-model requests spread; a restarted registry is rebuilt from the replicas' periodic
+reports; a killed replica loses no new request and leaves the registry.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tests.serve_fixtures import REPO, make_tiny_adapter, replica_stats
+
+pytestmark = [pytest.mark.slow]
+
+APP = "raylora"
+ADAPTERS = ["r0", "r1", "r2", "r3"]
+HOT = "r3"  # not used by the affinity test, so both replicas start without it
+ENGINE = {"max_loras": 2, "max_cpu_loras": 8, "max_num_seqs": 8, "num_kv_blocks": 128}
+# min_load_bound=2: a replica with 2 requests of an adapter in flight is full once the
+# total load is low (bound = max(2, ceil(1.25 * (total + 1) / 2))), so a burst of a dozen
+# requests must spill; a seed makes the base-model power of two choices repeatable.
+ROUTER_KWARGS = {"min_load_bound": 2, "seed": 0, "registry_refresh_s": 1.0}
+STALE_AFTER_S = 5.0  # the registry forgets a replica that stopped reporting after this
+WAIT_S = 30.0
+
+
+def poll(check: Callable[[], Any], timeout_s: float = WAIT_S, period_s: float = 0.5) -> Any:
+    """check() until it returns something truthy (returned) or timeout_s passes (-> last)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = check()
+        if out or time.monotonic() > deadline:
+            return out
+        time.sleep(period_s)
+
+
+def request(max_tokens: int = 8, ignore_eos: bool = False) -> dict:
+    return {
+        "prompt": "The quick brown fox",
+        "sampling_params": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": ignore_eos},
+    }
+
+
+def check_output(out: dict) -> dict:
+    assert out["finished"], out
+    assert out["outputs"][0]["finish_reason"] in ("stop", "length"), out
+    return out
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_model_dir):
+    import ray
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    import serve_app
+    from deployments.registry import get_or_create_registry
+
+    root = tmp_path_factory.mktemp("routing-adapters")
+    adapters = {
+        name: make_tiny_adapter(tiny_model_dir, root / name, 4, ["q_proj", "v_proj"], i)
+        for i, name in enumerate(ADAPTERS)
+    }
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p
+    )
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        namespace="raylora-routing-tests",
+    )
+    try:
+        # Created here (before the replicas get_or_create it) to shorten its staleness
+        # expiry; a restart re-runs the constructor with the same arguments.
+        registry = get_or_create_registry(stale_after_s=STALE_AFTER_S)
+        ray.get(registry.snapshot.remote())
+        serve.start(proxy_location="Disabled")
+        args = {
+            "model": tiny_model_dir,
+            "adapters": ",".join(f"{n}={p}" for n, p in adapters.items()),
+            "num_replicas": "2",
+            "num_cpus": "0.5",
+            "report_interval_s": "1",
+            "routing_stats_period_s": "1",
+            **{k: str(v) for k, v in ENGINE.items()},
+        }
+        app = serve_app.build_app(args)
+        # build_app exposes only load_bound_c of the router kwargs: set them all here.
+        llm = app._bound_deployment.init_args[0]
+        llm._bound_deployment = llm._bound_deployment.options(
+            request_router_config=RequestRouterConfig(
+                request_router_class="deployments.router:AdapterAffinityRouter",
+                request_router_kwargs=ROUTER_KWARGS,
+                request_routing_stats_period_s=1.0,
+            )
+        )
+        serve.run(app, name=APP, route_prefix=None)
+        yield {"handle": serve.get_deployment_handle("LLMServer", app_name=APP)}
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def snapshot() -> dict:
+    import ray
+
+    from deployments.registry import get_registry
+
+    return ray.get(get_registry().snapshot.remote(), timeout=10)
+
+
+def holders(stats: dict[str, dict], adapter: str) -> list[str]:
+    return sorted(rid for rid, s in stats.items() if adapter in s["adapters_in_cpu"])
+
+
+def replica_actor_name(replica_id: str) -> str:
+    """The Serve replica actor's name ("SERVE_REPLICA::app#LLMServer#<id>"), from the GCS."""
+    import ray
+
+    for actor in ray._private.state.actors().values():
+        name = actor.get("Name") or ""
+        if actor["State"] == "ALIVE" and name.endswith(f"#LLMServer#{replica_id}"):
+            return name
+    raise LookupError(f"no live actor for replica {replica_id}")
+
+
+def running_replicas() -> int:
+    from ray import serve
+
+    status = serve.status().applications[APP].deployments["LLMServer"]
+    return status.replica_states.get("RUNNING", 0)
+
+
+@pytest.mark.timeout(240)  # includes building the app
+def test_sequential_requests_stay_on_first_replica_in_hash_order(served):
+    from deployments.routing_policy import rendezvous_order
+
+    handle = served["handle"]
+    for _ in range(3):
+        for adapter in ADAPTERS[:3]:
+            out = handle.options(multiplexed_model_id=adapter).complete.remote(request())
+            check_output(out.result(timeout_s=60))
+    stats = replica_stats(APP, want=2)
+    assert len(stats) == 2, list(stats)
+    for adapter in ADAPTERS[:3]:
+        first = rendezvous_order(adapter, list(stats))[0]
+        assert holders(stats, adapter) == [first], (
+            adapter,
+            {r: s["adapters_in_cpu"] for r, s in stats.items()},
+        )
+    assert sum(s["lora"]["loads"] for s in stats.values()) == 3  # each read from disk once
+
+
+@pytest.mark.timeout(120)
+def test_hot_adapter_spills_to_second_replica(served):
+    handle = served["handle"].options(multiplexed_model_id=HOT)
+    before = replica_stats(APP, want=2)
+    assert holders(before, HOT) == []
+    responses = [handle.complete.remote(request(48, ignore_eos=True)) for _ in range(12)]
+    for r in responses:
+        check_output(r.result(timeout_s=90))
+    after = replica_stats(APP, want=2)
+    assert holders(after, HOT) == sorted(after), {r: s["adapters_in_cpu"] for r, s in after.items()}
+
+
+@pytest.mark.timeout(120)
+def test_base_model_requests_spread(served):
+    handle = served["handle"].options(multiplexed_model_id="")
+    responses = [handle.complete.remote(request(160, ignore_eos=True)) for _ in range(8)]
+    busy: set[str] = set()  # replicas seen with a request in flight
+
+    def both_busy() -> bool:
+        for rid, s in replica_stats(APP, want=2, timeout_s=5).items():
+            if s["num_inflight"] > 0:
+                busy.add(rid)
+        return len(busy) == 2
+
+    poll(both_busy, timeout_s=60, period_s=0.1)
+    for r in responses:
+        check_output(r.result(timeout_s=90))
+    assert len(busy) == 2, busy
+
+
+@pytest.mark.timeout(120)
+def test_restarted_registry_is_rebuilt_from_reports(served):
+    import ray
+
+    from deployments.registry import get_registry
+
+    stats = replica_stats(APP, want=2)
+    expected = {rid: sorted(s["adapters_in_cpu"]) for rid, s in stats.items()}
+    assert all(expected.values()), expected
+    old = get_registry()
+    old_pid = ray.get(old.__ray_call__.remote(lambda self: os.getpid()))
+    ray.kill(old, no_restart=False)
+
+    def rebuilt() -> dict | None:
+        try:
+            snap = snapshot()
+        except Exception:  # restarting
+            return None
+        cpu = {r: sorted(e["cpu"]) for r, e in snap["residency"].items()}
+        return snap if cpu == expected and set(snap["adapters"]) >= set(ADAPTERS) else None
+
+    snap = poll(rebuilt)
+    assert snap, f"registry not rebuilt: {snapshot()} (want residency {expected})"
+    new_pid = ray.get(get_registry().__ray_call__.remote(lambda self: os.getpid()))
+    assert new_pid != old_pid  # it really restarted
+
+
+@pytest.mark.timeout(180)
+def test_killed_replica_loses_no_new_request_and_leaves_registry(served):
+    import ray
+
+    from deployments.client import RayLoRAClient
+
+    stats = replica_stats(APP, want=2)
+    adapter = ADAPTERS[0]
+    (victim,) = holders(stats, adapter)
+    (survivor,) = set(stats) - {victim}
+    assert victim in snapshot()["residency"]
+    ray.kill(ray.get_actor(replica_actor_name(victim), namespace="serve"), no_restart=True)
+
+    # Through the ingress (which retries a request whose replica died): nothing fails.
+    client = RayLoRAClient(app_name=APP)
+    for i in range(4):
+        out = client.complete(f"after the kill {i}", adapter=adapter, max_tokens=8, temperature=0)
+        assert out["choices"][0]["finish_reason"] in ("stop", "length")
+
+    # The registry forgets the dead replica once it stops reporting (staleness expiry).
+    def forgotten() -> bool:
+        return victim not in snapshot()["residency"]
+
+    assert poll(forgotten, timeout_s=STALE_AFTER_S + WAIT_S), snapshot()["residency"]
+
+    # Serve replaces it; direct handle requests then succeed and land on live replicas.
+    assert poll(lambda: running_replicas() == 2, timeout_s=90, period_s=1)
+    handle = served["handle"].options(multiplexed_model_id=adapter)
+    for _ in range(3):
+        check_output(handle.complete.remote(request()).result(timeout_s=60))
+    live = replica_stats(APP, want=2)
+    assert victim not in live and survivor in live, list(live)
+    assert holders(live, adapter), {r: s["adapters_in_cpu"] for r, s in live.items()}
+    assert victim not in snapshot()["residency"]
