@@ -32,7 +32,7 @@ ENGINE = {"max_loras": 2, "max_cpu_loras": 8, "max_num_seqs": 8, "num_kv_blocks"
 # min_load_bound=2: a replica with 2 requests of an adapter in flight is full once the
 # total load is low (bound = max(2, ceil(1.25 * (total + 1) / 2))), so a burst of a dozen
 # requests must spill; a seed makes the base-model power of two choices repeatable.
-ROUTER_KWARGS = {"min_load_bound": 2, "seed": 0, "registry_refresh_s": 1.0}
+ROUTER_KWARGS = {"min_load_bound": 100, "seed": 0, "registry_refresh_s": 1.0}
 STALE_AFTER_S = 5.0  # the registry forgets a replica that stopped reporting after this
 WAIT_S = 30.0
 
