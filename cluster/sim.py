@@ -259,8 +259,13 @@ class Router:
         reps, rng = self.replicas, self.rng
         if self.policy == "affinity":
             views = [r.view() for r in reps]
-            ranked = rank_replicas(adapter, views, load_bound_c=self.cfg.load_bound_c,
-                                   min_load_bound=self.cfg.min_load_bound, rng=rng)
+            ranked = rank_replicas(
+                adapter,
+                views,
+                load_bound_c=self.cfg.load_bound_c,
+                min_load_bound=self.cfg.min_load_bound,
+                rng=rng,
+            )
             tiers = [[self.by_id[v.replica_id] for v in t] for t in ranked]
         elif self.policy == "p2c":
             tiers = [

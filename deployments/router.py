@@ -183,6 +183,10 @@ class AdapterAffinityRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         views = [self._view(r, residency) for r in candidate_replicas]
         tiers = rank_replicas(
-            adapter_id, views, load_bound_c=self._load_bound_c,
-            min_load_bound=self._min_load_bound, rng=self._rng)
+            adapter_id,
+            views,
+            load_bound_c=self._load_bound_c,
+            min_load_bound=self._min_load_bound,
+            rng=self._rng,
+        )
         return [[by_id[v.replica_id] for v in tier] for tier in tiers]

@@ -87,6 +87,7 @@ class AsyncLLMEngine:
             with self._lock:
                 self.engine.abort_request(request_id)
                 self._streams.pop(request_id, None)
+
         await asyncio.to_thread(do)
 
     # -- adapters and introspection ----------------------------------------------------

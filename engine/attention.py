@@ -54,8 +54,10 @@ class AttentionMetadata:
         prefills: list[PrefillChunk] = []
         row = 0
         for start, n, table in seq_specs:
-            slots.extend(table[p // block_size] * block_size + p % block_size
-                         for p in range(start, start + n))
+            slots.extend(
+                table[p // block_size] * block_size + p % block_size
+                for p in range(start, start + n)
+            )
             if n == 1 and start > 0:
                 decodes.append((row, start + 1, table))
             else:
@@ -73,8 +75,9 @@ class AttentionMetadata:
         return md
 
 
-def _decode_buckets(decodes: list[tuple[int, int, list[int]]], block_size: int,
-                    device: torch.device) -> list[DecodeBucket]:
+def _decode_buckets(
+    decodes: list[tuple[int, int, list[int]]], block_size: int, device: torch.device
+) -> list[DecodeBucket]:
     if not decodes:
         return []
     decodes = sorted(decodes, key=lambda d: d[1])
@@ -84,16 +87,19 @@ def _decode_buckets(decodes: list[tuple[int, int, list[int]]], block_size: int,
     for i in range(0, len(decodes), size):
         group = decodes[i : i + size]
         max_blocks = -(-group[-1][1] // block_size)  # sorted: the last is the longest
-        tables = [t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks))
-                  for _, _, t in group]
+        tables = [
+            t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks)) for _, _, t in group
+        ]
         lens = torch.tensor([length for _, length, _ in group])
         mask = torch.arange(max_blocks * block_size)[None, :] < lens[:, None]
-        buckets.append(DecodeBucket(
-            rows=torch.tensor([r for r, _, _ in group], device=device),
-            block_ids=torch.tensor(tables, device=device).flatten(),
-            max_blocks=max_blocks,
-            mask=mask[:, None, None, :].to(device),
-        ))
+        buckets.append(
+            DecodeBucket(
+                rows=torch.tensor([r for r, _, _ in group], device=device),
+                block_ids=torch.tensor(tables, device=device).flatten(),
+                max_blocks=max_blocks,
+                mask=mask[:, None, None, :].to(device),
+            )
+        )
     return buckets
 
 
@@ -123,14 +129,16 @@ def paged_attention(
         qc = q[rows].transpose(0, 1)[None]  # [1, H, n, D]
         if c.block_ids is None:  # the whole context is this chunk: no gather needed
             kc, vc = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale,
-                                               enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(
+                qc, kc, vc, is_causal=True, scale=scale, enable_gqa=gqa
+            )
         else:
             ctx = c.start_pos + c.num_tokens
             kc = _gather_blocks(k_cache, c.block_ids, bs)[:ctx].transpose(0, 1)[None]
             vc = _gather_blocks(v_cache, c.block_ids, bs)[:ctx].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=c.mask, scale=scale,
-                                               enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(
+                qc, kc, vc, attn_mask=c.mask, scale=scale, enable_gqa=gqa
+            )
         out[rows] = o[0].transpose(0, 1)
     group = num_heads // num_kv_heads
     for b in md.decodes:
@@ -139,7 +147,8 @@ def paged_attention(
         qd = q.index_select(0, b.rows).view(n, num_kv_heads, group, head_dim)
         kd = _gather_blocks(k_cache, b.block_ids, bs).view(n, -1, num_kv_heads, head_dim)
         vd = _gather_blocks(v_cache, b.block_ids, bs).view(n, -1, num_kv_heads, head_dim)
-        o = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2),
-                                           attn_mask=b.mask, scale=scale)  # [n, Hkv, group, D]
+        o = F.scaled_dot_product_attention(
+            qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=b.mask, scale=scale
+        )  # [n, Hkv, group, D]
         out[b.rows] = o.reshape(n, num_heads, head_dim)
     return out

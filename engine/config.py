@@ -79,9 +79,13 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         if self.lora_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"lora_backend must be auto, torch or triton, got {self.lora_backend!r}")
+            raise ValueError(
+                f"lora_backend must be auto, torch or triton, got {self.lora_backend!r}"
+            )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ValueError(
+                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
         self.scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -91,7 +95,10 @@ class EngineConfig:
         )
         self.cache = CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_gb)
         self.lora = LoRAConfig(
-            self.enable_lora, self.max_loras, self.max_lora_rank, self.max_cpu_loras,
+            self.enable_lora,
+            self.max_loras,
+            self.max_lora_rank,
+            self.max_cpu_loras,
             self.lora_backend,
         )
 

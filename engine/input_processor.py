@@ -29,8 +29,7 @@ class InputProcessor:
                 )
             ids = list(ids)
         else:
-            raise InvalidRequestError(
-                "prompt must be a string or a dict with 'prompt_token_ids'")
+            raise InvalidRequestError("prompt must be a string or a dict with 'prompt_token_ids'")
         if not ids:
             raise InvalidRequestError("prompt must not be empty (it has no tokens)")
         if len(ids) >= self.max_model_len:
@@ -49,4 +48,5 @@ class InputProcessor:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequestError("this model's tokenizer has no chat template")
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True)
+            messages, tokenize=False, add_generation_prompt=True
+        )

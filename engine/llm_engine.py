@@ -38,7 +38,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.input_processor = InputProcessor(self.tokenizer, args.vocab_size, max_len)
         self.output_processor = OutputProcessor(
-            self.tokenizer, _eos_token_ids(self.tokenizer, self.model_path), max_len)
+            self.tokenizer, _eos_token_ids(self.tokenizer, self.model_path), max_len
+        )
 
     # -- requests ---------------------------------------------------------------------
     def add_request(
@@ -67,10 +68,10 @@ class LLMEngine:
             Sequence(request_id, i, prompt_ids, params, lora_request, step, parent=first)
             for i in range(1, params.n)
         ]
-        detoks = [IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-                  for _ in seqs]
+        detoks = [IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) for _ in seqs]
         self.output_processor.add(
-            RequestState(request_id, text, prompt_ids, params, lora_request, seqs, detoks))
+            RequestState(request_id, text, prompt_ids, params, lora_request, seqs, detoks)
+        )
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -98,12 +99,15 @@ class LLMEngine:
         """Validate and load an adapter into the CPU cache; raises engine.lora.errors.LoRAError."""
         manager = self._lora_manager()
         adapter = manager.add_lora(lora_request)
-        return {"name": adapter.name, "source": adapter.source, "rank": adapter.rank,
-                "target_modules": list(adapter.target_modules)}
+        return {
+            "name": adapter.name,
+            "source": adapter.source,
+            "rank": adapter.rank,
+            "target_modules": list(adapter.target_modules),
+        }
 
     def remove_lora(self, lora_name: str) -> bool:
-        in_use = self.scheduler.adapters_in_use() | {
-            s.lora_name for s in self.scheduler.waiting}
+        in_use = self.scheduler.adapters_in_use() | {s.lora_name for s in self.scheduler.waiting}
         if lora_name in in_use:
             raise InvalidRequestError(f"adapter {lora_name!r} has unfinished requests")
         self.scheduler.slots.evict(lora_name)
@@ -126,8 +130,12 @@ class LLMEngine:
 
     def stats(self) -> dict:
         sched, slots = self.scheduler, self.scheduler.slots
-        lora = {"activations": slots.num_activations, "evictions": slots.num_evictions,
-                "hits": slots.num_hits, "misses": slots.num_activations}
+        lora = {
+            "activations": slots.num_activations,
+            "evictions": slots.num_evictions,
+            "hits": slots.num_hits,
+            "misses": slots.num_activations,
+        }
         cpu = {}
         if self.model_runner.lora_manager is not None:
             cpu = self.model_runner.lora_manager.stats()

@@ -51,10 +51,12 @@ class ModelRunner:
         self.lora_backend = backend
         self.lora_manager: LoRAManager | None = None
         if config.enable_lora:
-            spec = LoRAModelSpec(self.args.num_layers, self.args.lora_module_shapes(),
-                                 config.max_lora_rank)
-            self.lora_manager = LoRAManager(config.lora, spec, self.model.lora_linears(),
-                                            self.device, self.dtype)
+            spec = LoRAModelSpec(
+                self.args.num_layers, self.args.lora_module_shapes(), config.max_lora_rank
+            )
+            self.lora_manager = LoRAManager(
+                config.lora, spec, self.model.lora_linears(), self.device, self.dtype
+            )
 
     def _kv_bytes_per_block(self) -> int:
         a = self.args
@@ -97,7 +99,8 @@ class ModelRunner:
         lora_meta = None
         if self.lora_manager is not None and out.lora_slots:
             lora_meta = LoRABatchMeta.build(
-                torch.tensor(token_slots, dtype=torch.int32, device=dev), self.config.max_loras)
+                torch.tensor(token_slots, dtype=torch.int32, device=dev), self.config.max_loras
+            )
         ctx = ForwardContext(
             attn=AttentionMetadata.build(specs, self.block_size, dev),
             lora=lora_meta,

@@ -26,8 +26,9 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
         decode = self.tokenizer.decode
-        prefix = decode(self.ids[self.prefix_offset : self.read_offset],
-                        skip_special_tokens=self.skip)
+        prefix = decode(
+            self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=self.skip
+        )
         full = decode(self.ids[self.prefix_offset :], skip_special_tokens=self.skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix) :]
@@ -61,20 +62,29 @@ class RequestState:
             text = det.text
             if hold and not seq.is_finished:  # don't show a stop string's beginning yet
                 text = text[: max(0, len(text) - hold)]
-            outputs.append(CompletionOutput(
-                index=seq.index,
-                text=text,
-                token_ids=seq.output_token_ids,
-                cumulative_logprob=seq.cumulative_logprob if p.logprobs is not None else None,
-                logprobs=list(seq.logprobs) if p.logprobs is not None else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-            ))
+            outputs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=seq.output_token_ids,
+                    cumulative_logprob=seq.cumulative_logprob if p.logprobs is not None else None,
+                    logprobs=list(seq.logprobs) if p.logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
         metrics = {"arrival_time": self.arrival_time}
         if self.first_token_time is not None:
             metrics["first_token_time"] = self.first_token_time
-        return RequestOutput(self.req_id, self.prompt, self.prompt_token_ids, outputs,
-                             self.finished, self.lora_request, metrics)
+        return RequestOutput(
+            self.req_id,
+            self.prompt,
+            self.prompt_token_ids,
+            outputs,
+            self.finished,
+            self.lora_request,
+            metrics,
+        )
 
 
 class OutputProcessor:

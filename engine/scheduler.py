@@ -78,9 +78,7 @@ class SlotTable:
         if free:
             slot = free[0]
         else:
-            victim = next(
-                n for n in self.slot_of if n not in in_use and n not in self.pinned
-            )
+            victim = next(n for n in self.slot_of if n not in in_use and n not in self.pinned)
             slot = self.slot_of.pop(victim)
             self.num_evictions += 1
         self.slot_of[name] = slot
@@ -167,8 +165,10 @@ class Scheduler:
     def _drain_target(self) -> str | None:
         k = self.config.lora_starvation_steps
         overdue = [
-            s for s in self.waiting
-            if s.lora_name is not None and s.num_slot_skips > 0
+            s
+            for s in self.waiting
+            if s.lora_name is not None
+            and s.num_slot_skips > 0
             and self.step_count - s.arrival_step > k
         ]
         if not overdue:

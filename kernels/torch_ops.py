@@ -75,12 +75,16 @@ def lora_shrink_torch(
     all_tokens = meta.num_lora_tokens == meta.num_tokens  # then a lone segment is in order
     if strategy == "sgmv":
         xs = x.index_select(0, meta.padded_token_ids.flatten()).view(
-            meta.num_active_slots, meta.max_tokens_per_slot, hidden_in)  # [A, n, H_in]
+            meta.num_active_slots, meta.max_tokens_per_slot, hidden_in
+        )  # [A, n, H_in]
         for s, a in enumerate(lora_a):
             w = _active_weights(a, meta)  # [A, R, H_in]
             r = torch.bmm(xs.to(w.dtype), w.transpose(1, 2)).view(-1, rank)  # [A * n, R]
-            out[s].index_copy_(0, meta.lora_token_ids,
-                               _scaled(r.index_select(0, meta.padded_rows), scale, out.dtype))
+            out[s].index_copy_(
+                0,
+                meta.lora_token_ids,
+                _scaled(r.index_select(0, meta.padded_rows), scale, out.dtype),
+            )
         return out
     if strategy == "dense":
         ids = meta.lora_token_ids
@@ -128,8 +132,9 @@ def lora_expand_torch(
             w = _active_weights(b, meta)  # [A, H_out_s, R]
             d = torch.bmm(bufs[s].view(num_active, max_n, rank), w.transpose(1, 2))
             delta = d.view(-1, b.shape[1]).index_select(0, meta.padded_rows)  # [n, H_out_s]
-            _scatter(y[:, offsets[s] : offsets[s] + b.shape[1]], meta.lora_token_ids, delta,
-                     add_inputs)
+            _scatter(
+                y[:, offsets[s] : offsets[s] + b.shape[1]], meta.lora_token_ids, delta, add_inputs
+            )
         return
     if strategy == "gather":
         ids = meta.lora_token_ids

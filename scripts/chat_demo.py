@@ -1,7 +1,7 @@
 """Terminal demo: stream a chat answer from the engine, optionally through a demo adapter.
 
-    python scripts/chat_demo.py "What is the capital of France?"
-    python scripts/chat_demo.py --lora caps "What is the capital of France?"
+python scripts/chat_demo.py "What is the capital of France?"
+python scripts/chat_demo.py --lora caps "What is the capital of France?"
 """
 
 import argparse

@@ -33,19 +33,31 @@ def main() -> int:
     for i, name in enumerate([None, *DEMO_ADAPTERS]):
         model = name or base
         lora = LoRARequest(name, i, str(demo_adapter_dir(name))) if name else None
-        comp = client.completions.create(model=model, prompt=PROMPT, temperature=0,
-                                         max_tokens=args.max_tokens).choices[0].text
+        comp = (
+            client.completions.create(
+                model=model, prompt=PROMPT, temperature=0, max_tokens=args.max_tokens
+            )
+            .choices[0]
+            .text
+        )
         offline = llm.generate(PROMPT, params, lora)[0].outputs[0].text
         stream = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": QUESTION}], temperature=0,
-            max_tokens=args.max_tokens, stream=True)
+            model=model,
+            messages=[{"role": "user", "content": QUESTION}],
+            temperature=0,
+            max_tokens=args.max_tokens,
+            stream=True,
+        )
         chat = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-        offline_chat = llm.chat([{"role": "user", "content": QUESTION}], params,
-                                lora)[0].outputs[0].text
+        offline_chat = (
+            llm.chat([{"role": "user", "content": QUESTION}], params, lora)[0].outputs[0].text
+        )
         ok = comp == offline and chat == offline_chat
         failures += not ok
-        print(f"[{model}] {'OK ' if ok else 'DIFF'} completion={comp!r}\n"
-              f"{'':>{len(model) + 7}}chat={chat!r}")
+        print(
+            f"[{model}] {'OK ' if ok else 'DIFF'} completion={comp!r}\n"
+            f"{'':>{len(model) + 7}}chat={chat!r}"
+        )
     return 1 if failures else 0
 
 

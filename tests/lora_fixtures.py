@@ -7,21 +7,43 @@ import torch
 # The three shapes the multi-LoRA acceptance asks for.
 ADAPTER_SPECS = {
     "qv4": {"r": 4, "target_modules": ["q_proj", "v_proj"], "use_rslora": False},
-    "all16": {"r": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                          "up_proj", "down_proj"], "use_rslora": True},
-    "mlp8": {"r": 8, "target_modules": ["gate_proj", "up_proj", "down_proj"],
-             "use_rslora": False},
+    "all16": {
+        "r": 16,
+        "target_modules": [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+        "use_rslora": True,
+    },
+    "mlp8": {"r": 8, "target_modules": ["gate_proj", "up_proj", "down_proj"], "use_rslora": False},
 }
 
 
-def make_peft_adapter(model_dir: str, out: Path, r: int, target_modules: list[str],
-                      use_rslora: bool = False, seed: int = 0, std: float = 0.2) -> Path:
+def make_peft_adapter(
+    model_dir: str,
+    out: Path,
+    r: int,
+    target_modules: list[str],
+    use_rslora: bool = False,
+    seed: int = 0,
+    std: float = 0.2,
+) -> Path:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=target_modules, use_rslora=use_rslora,
-                     lora_dropout=0.0)
+    cfg = LoraConfig(
+        r=r,
+        lora_alpha=2 * r,
+        target_modules=target_modules,
+        use_rslora=use_rslora,
+        lora_dropout=0.0,
+    )
     pm = get_peft_model(model, cfg)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -33,5 +55,7 @@ def make_peft_adapter(model_dir: str, out: Path, r: int, target_modules: list[st
 
 
 def make_adapter_set(model_dir: str, root: Path, std: float = 0.2) -> dict[str, Path]:
-    return {name: make_peft_adapter(model_dir, root / name, seed=i, std=std, **spec)
-            for i, (name, spec) in enumerate(ADAPTER_SPECS.items())}
+    return {
+        name: make_peft_adapter(model_dir, root / name, seed=i, std=std, **spec)
+        for i, (name, spec) in enumerate(ADAPTER_SPECS.items())
+    }

@@ -9,11 +9,17 @@ TIE_GAP = 1e-3
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
     """Greedy continuation with HF's own generate (batch of one, no padding)."""
     out = model.generate(
-        torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-        do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=sorted(eos_ids),
-        pad_token_id=sorted(eos_ids)[0], top_p=None, top_k=None, temperature=None,
+        torch.tensor([prompt_ids]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=sorted(eos_ids),
+        pad_token_id=sorted(eos_ids)[0],
+        top_p=None,
+        top_k=None,
+        temperature=None,
     )
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()
 
 
 @torch.inference_mode()

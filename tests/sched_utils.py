@@ -17,8 +17,9 @@ def create_scheduler(
     max_loras: int = 2,
     lora_starvation_steps: int = 8,
 ) -> Scheduler:
-    cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, max_loras,
-                          lora_starvation_steps)
+    cfg = SchedulerConfig(
+        max_num_seqs, max_num_batched_tokens, max_model_len, max_loras, lora_starvation_steps
+    )
     return Scheduler(cfg, BlockManager(num_blocks, block_size))
 
 
@@ -33,11 +34,17 @@ def lora(name: str | None) -> LoRARequest | None:
     return _LORAS[name]
 
 
-def make_seq(sched: Scheduler, req_id: str, prompt_len: int, max_tokens: int = 4,
-             adapter: str | None = None) -> Sequence:
-    seq = Sequence(req_id, 0, list(range(10, 10 + prompt_len)),
-                   SamplingParams(temperature=0, max_tokens=max_tokens), lora(adapter),
-                   sched.step_count)
+def make_seq(
+    sched: Scheduler, req_id: str, prompt_len: int, max_tokens: int = 4, adapter: str | None = None
+) -> Sequence:
+    seq = Sequence(
+        req_id,
+        0,
+        list(range(10, 10 + prompt_len)),
+        SamplingParams(temperature=0, max_tokens=max_tokens),
+        lora(adapter),
+        sched.step_count,
+    )
     sched.add(seq)
     return seq
 

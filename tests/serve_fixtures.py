@@ -53,8 +53,9 @@ def start_ray(port: int) -> dict:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p
     )
-    ctx = ray.init(num_cpus=2, include_dashboard=False, namespace="raylora-tests",
-                   _node_ip_address="127.0.0.1")  # listen on loopback only
+    ctx = ray.init(
+        num_cpus=2, include_dashboard=False, namespace="raylora-tests", _node_ip_address="127.0.0.1"
+    )  # listen on loopback only
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     return ctx.address_info
 

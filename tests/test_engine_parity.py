@@ -46,23 +46,32 @@ def check_against_hf(model_dir: str, engine: LLMEngine, max_tokens: int, prompts
 
 
 def test_tiny_model_matches_hf(tiny_model_dir):
-    engine = LLMEngine(EngineConfig(model=tiny_model_dir, max_num_batched_tokens=64,
-                                    block_size=4, enable_lora=False))
+    engine = LLMEngine(
+        EngineConfig(
+            model=tiny_model_dir, max_num_batched_tokens=64, block_size=4, enable_lora=False
+        )
+    )
     exact = check_against_hf(tiny_model_dir, engine, max_tokens=24)
     assert exact >= len(PROMPTS) - 1
 
 
 def test_chunked_prefill_and_tiny_blocks_match_hf(tiny_model_dir):
     """Long prompts split over several steps (budget 16) still give HF's tokens."""
-    engine = LLMEngine(EngineConfig(model=tiny_model_dir, max_num_batched_tokens=16,
-                                    max_num_seqs=3, block_size=2, enable_lora=False))
+    engine = LLMEngine(
+        EngineConfig(
+            model=tiny_model_dir,
+            max_num_batched_tokens=16,
+            max_num_seqs=3,
+            block_size=2,
+            enable_lora=False,
+        )
+    )
     check_against_hf(tiny_model_dir, engine, max_tokens=12)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_default_model_matches_hf(default_model_dir):
-    engine = LLMEngine(EngineConfig(model="default", max_num_batched_tokens=512,
-                                    enable_lora=False))
+    engine = LLMEngine(EngineConfig(model="default", max_num_batched_tokens=512, enable_lora=False))
     exact = check_against_hf(default_model_dir, engine, max_tokens=32)
     assert exact >= len(PROMPTS) - 1

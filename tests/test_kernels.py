@@ -116,8 +116,13 @@ def _run_shrink(backend, x, lora_a, meta, scale, out, strategy):
     return lora_shrink_torch(x, lora_a, meta, scale, out, strategy=strategy)
 
 
-BACKENDS = [("triton", None), ("torch", "dense"), ("torch", "segments"), ("torch", None),
-            ("torch", "sgmv")]
+BACKENDS = [
+    ("triton", None),
+    ("torch", "dense"),
+    ("torch", "segments"),
+    ("torch", None),
+    ("torch", "sgmv"),
+]
 
 
 @pytest.mark.timeout(300)

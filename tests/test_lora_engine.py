@@ -11,8 +11,13 @@ from engine.lora import errors
 from tests.lora_fixtures import make_adapter_set
 from tests.reference import assert_greedy_match, hf_greedy
 
-PROMPTS = ["Hello world!", "The capital of France is", "def add(a, b):\n    return",
-           "One, two, three, four, five,", "Low-rank adapters (LoRA) add a small update"]
+PROMPTS = [
+    "Hello world!",
+    "The capital of France is",
+    "def add(a, b):\n    return",
+    "One, two, three, four, five,",
+    "Low-rank adapters (LoRA) add a small update",
+]
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +78,14 @@ def check_parity(model_dir, adapters, engine, max_tokens=10):
     reqs = workload(loras)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     ours = run_checked(engine, reqs, params, engine.config.max_loras)
-    refs = peft_references(model_dir, adapters, reqs, engine.tokenizer, max_tokens,
-                           engine.output_processor.eos_token_ids)
+    refs = peft_references(
+        model_dir,
+        adapters,
+        reqs,
+        engine.tokenizer,
+        max_tokens,
+        engine.output_processor.eos_token_ids,
+    )
     exact = sum(assert_greedy_match(m, ids, ours[rid], ref) for rid, (m, ids, ref) in refs.items())
     assert exact >= len(reqs) - 1
     # the adapters really change the output (else the test could not fail)
@@ -85,8 +96,16 @@ def check_parity(model_dir, adapters, engine, max_tokens=10):
 
 
 def test_three_adapters_two_slots_match_peft(tiny_model_dir, adapters):
-    engine = LLMEngine(EngineConfig(model=tiny_model_dir, max_loras=2, max_lora_rank=16,
-                                    max_cpu_loras=2, max_num_seqs=8, block_size=4))
+    engine = LLMEngine(
+        EngineConfig(
+            model=tiny_model_dir,
+            max_loras=2,
+            max_lora_rank=16,
+            max_cpu_loras=2,
+            max_num_seqs=8,
+            block_size=4,
+        )
+    )
     check_parity(tiny_model_dir, adapters, engine)
     assert engine.model_runner.lora_manager.num_cpu_evictions > 0  # CPU cache of 2 for 3
 
@@ -94,8 +113,16 @@ def test_three_adapters_two_slots_match_peft(tiny_model_dir, adapters):
 @pytest.mark.timeout(600)
 def test_triton_kernels_in_engine_under_interpreter(tiny_model_dir, adapters, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    engine = LLMEngine(EngineConfig(model=tiny_model_dir, max_loras=2, max_lora_rank=16,
-                                    max_num_seqs=16, block_size=4, lora_backend="triton"))
+    engine = LLMEngine(
+        EngineConfig(
+            model=tiny_model_dir,
+            max_loras=2,
+            max_lora_rank=16,
+            max_num_seqs=16,
+            block_size=4,
+            lora_backend="triton",
+        )
+    )
     assert engine.model_runner.lora_backend == "triton"
     check_parity(tiny_model_dir, adapters, engine, max_tokens=4)
 
@@ -125,7 +152,7 @@ def _bad(root, name, config="keep", corrupt=False, **changes):
         cfg_path.write_text(json.dumps(cfg))
     if corrupt:
         w = dst / "adapter_model.safetensors"
-        w.write_bytes(w.read_bytes()[: 100])
+        w.write_bytes(w.read_bytes()[:100])
     return str(dst)
 
 
@@ -138,8 +165,11 @@ def test_bad_adapters_do_not_disturb_the_batch(tiny_model_dir, adapters):
     reqs = workload(loras)[:8]
 
     def make():
-        return LLMEngine(EngineConfig(model=tiny_model_dir, max_loras=2, max_lora_rank=16,
-                                      max_num_seqs=8, block_size=4))
+        return LLMEngine(
+            EngineConfig(
+                model=tiny_model_dir, max_loras=2, max_lora_rank=16, max_num_seqs=8, block_size=4
+            )
+        )
 
     clean = run_checked(make(), reqs, params, 2)
     engine = make()
@@ -164,8 +194,16 @@ def test_bad_adapters_do_not_disturb_the_batch(tiny_model_dir, adapters):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_default_model_three_adapters_match_peft(default_model_dir, tmp_path):
-    adapters = {k: str(v) for k, v in
-                make_adapter_set(default_model_dir, tmp_path, std=0.02).items()}
-    engine = LLMEngine(EngineConfig(model="default", max_loras=2, max_lora_rank=16,
-                                    max_num_seqs=8, max_num_batched_tokens=256))
+    adapters = {
+        k: str(v) for k, v in make_adapter_set(default_model_dir, tmp_path, std=0.02).items()
+    }
+    engine = LLMEngine(
+        EngineConfig(
+            model="default",
+            max_loras=2,
+            max_lora_rank=16,
+            max_num_seqs=8,
+            max_num_batched_tokens=256,
+        )
+    )
     check_parity(default_model_dir, adapters, engine, max_tokens=8)

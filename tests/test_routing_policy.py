@@ -110,8 +110,9 @@ def test_rank_matches_reference(loads, slot_mask, cpu_mask, adapter, c, min_boun
         )
         for i, load in enumerate(loads)
     ]
-    tiers = rank_replicas(adapter, replicas, load_bound_c=c, min_load_bound=min_bound,
-                          rng=random.Random(0))
+    tiers = rank_replicas(
+        adapter, replicas, load_bound_c=c, min_load_bound=min_bound, rng=random.Random(0)
+    )
     flat = [r.replica_id for t in tiers for r in t]
     assert sorted(flat) == sorted(r.replica_id for r in replicas)  # each replica exactly once
     singles = ref_rank(adapter, replicas, c, min_bound)

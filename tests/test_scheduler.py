@@ -17,7 +17,9 @@ def test_token_budget_and_chunked_prefill():
     out = sched.schedule()
     # a's remaining 18 tokens (samples), then b's 10 tokens fill the rest (14 left, 10 needed)
     assert [(s.seq.req_id, s.num_new_tokens, s.sample) for s in out.scheduled] == [
-        ("a", 18, True), ("b", 10, True)]
+        ("a", 18, True),
+        ("b", 10, True),
+    ]
     feed(sched, out)
     out = sched.schedule()  # both decode now: one token each
     assert [(s.seq.req_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 1)]

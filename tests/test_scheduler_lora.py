@@ -34,8 +34,14 @@ def test_drain_rule_bounds_the_wait_of_a_cold_adapter():
     """A and B keep arriving forever; C arrives once. Without the drain rule C would wait
     until the stream stops; with it, C is admitted within K + D + 1 steps."""
     K, max_tokens = 5, 6
-    sched = create_scheduler(max_loras=2, max_num_seqs=8, max_num_batched_tokens=200,
-                             lora_starvation_steps=K, num_blocks=200, block_size=4)
+    sched = create_scheduler(
+        max_loras=2,
+        max_num_seqs=8,
+        max_num_batched_tokens=200,
+        lora_starvation_steps=K,
+        num_blocks=200,
+        block_size=4,
+    )
     c = None
     for step in range(120):
         for name in "AB":
@@ -55,8 +61,14 @@ def test_drain_rule_bounds_the_wait_of_a_cold_adapter():
 def test_without_drain_the_cold_adapter_would_starve():
     """The same stream with the rule effectively off (huge K): C never gets in, which is the
     starvation the rule exists for (so the test above can fail)."""
-    sched = create_scheduler(max_loras=2, max_num_seqs=8, max_num_batched_tokens=200,
-                             lora_starvation_steps=10**9, num_blocks=200, block_size=4)
+    sched = create_scheduler(
+        max_loras=2,
+        max_num_seqs=8,
+        max_num_batched_tokens=200,
+        lora_starvation_steps=10**9,
+        num_blocks=200,
+        block_size=4,
+    )
     c = None
     for step in range(60):
         for name in "AB":
@@ -70,9 +82,19 @@ def test_without_drain_the_cold_adapter_would_starve():
 @pytest.fixture(scope="module")
 def adapter_paths(tiny_model_dir, tmp_path_factory) -> list[str]:
     root = tmp_path_factory.mktemp("prop-adapters")
-    return [str(make_peft_adapter(tiny_model_dir, root / f"a{i}", r=4,
-                                  target_modules=["q_proj", "v_proj"], seed=i, std=0.1))
-            for i in range(NUM_ADAPTERS)]
+    return [
+        str(
+            make_peft_adapter(
+                tiny_model_dir,
+                root / f"a{i}",
+                r=4,
+                target_modules=["q_proj", "v_proj"],
+                seed=i,
+                std=0.1,
+            )
+        )
+        for i in range(NUM_ADAPTERS)
+    ]
 
 
 arrival = st.tuples(
@@ -94,13 +116,31 @@ arrival = st.tuples(
     num_kv_blocks=st.sampled_from([12, 24, 200]),
     starvation=st.integers(1, 6),
 )
-def test_property_random_arrivals(tiny_model_dir, adapter_paths, arrivals, max_loras, extra_cpu,
-                                  budget, max_num_seqs, num_kv_blocks, starvation):
-    engine = LLMEngine(EngineConfig(
-        model=tiny_model_dir, max_loras=max_loras, max_cpu_loras=max_loras + extra_cpu,
-        max_lora_rank=8, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-        num_kv_blocks=num_kv_blocks, block_size=4, lora_starvation_steps=starvation,
-        max_model_len=48))
+def test_property_random_arrivals(
+    tiny_model_dir,
+    adapter_paths,
+    arrivals,
+    max_loras,
+    extra_cpu,
+    budget,
+    max_num_seqs,
+    num_kv_blocks,
+    starvation,
+):
+    engine = LLMEngine(
+        EngineConfig(
+            model=tiny_model_dir,
+            max_loras=max_loras,
+            max_cpu_loras=max_loras + extra_cpu,
+            max_lora_rank=8,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            num_kv_blocks=num_kv_blocks,
+            block_size=4,
+            lora_starvation_steps=starvation,
+            max_model_len=48,
+        )
+    )
     loras = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(adapter_paths)]
     pending = sorted(enumerate(arrivals), key=lambda x: x[1][0])
     seqs, finished, step = {}, set(), 0
@@ -110,10 +150,12 @@ def test_property_random_arrivals(tiny_model_dir, adapter_paths, arrivals, max_l
         while pending and pending[0][1][0] <= step:
             i, (_, adapter, plen, max_tokens, n) = pending.pop(0)
             rid = f"r{i}"
-            engine.add_request(rid, {"prompt_token_ids": list(range(5, 5 + plen))},
-                               SamplingParams(n=n, temperature=0, max_tokens=max_tokens,
-                                              ignore_eos=True),
-                               loras[adapter] if adapter is not None else None)
+            engine.add_request(
+                rid,
+                {"prompt_token_ids": list(range(5, 5 + plen))},
+                SamplingParams(n=n, temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                loras[adapter] if adapter is not None else None,
+            )
             seqs[rid] = engine.output_processor.requests[rid].seqs
         out = engine.scheduler.schedule()
         # brute-force recount of the invariants
@@ -130,8 +172,10 @@ def test_property_random_arrivals(tiny_model_dir, adapter_paths, arrivals, max_l
         for o in engine.output_processor.process(out, sampled, engine.scheduler):
             if o.finished:
                 finished.add(o.request_id)
-                assert all(len(c.token_ids) == o.outputs[0].token_ids.__len__() or
-                           c.finish_reason for c in o.outputs)
+                assert all(
+                    len(c.token_ids) == o.outputs[0].token_ids.__len__() or c.finish_reason
+                    for c in o.outputs
+                )
         step += 1
         assert step < 5000, "the engine stopped making progress"
     assert finished == set(seqs)  # every request finishes
@@ -147,4 +191,8 @@ def test_property_random_arrivals(tiny_model_dir, adapter_paths, arrivals, max_l
         for rid, group in seqs.items():
             for s in group:
                 assert s.first_scheduled_step - s.arrival_step <= bound, (
-                    rid, s.first_scheduled_step, s.arrival_step, bound)
+                    rid,
+                    s.first_scheduled_step,
+                    s.arrival_step,
+                    bound,
+                )

@@ -40,10 +40,12 @@ class LoRAManager:
         L, R = config.max_loras, config.max_lora_rank
         for lin in linears.values():
             in_features = lin.weight.shape[1]
-            lin.lora_a = [torch.zeros(L, R, in_features, device=device, dtype=dtype)
-                          for _ in lin.out_sizes]
-            lin.lora_b = [torch.zeros(L, out, R, device=device, dtype=dtype)
-                          for out in lin.out_sizes]
+            lin.lora_a = [
+                torch.zeros(L, R, in_features, device=device, dtype=dtype) for _ in lin.out_sizes
+            ]
+            lin.lora_b = [
+                torch.zeros(L, out, R, device=device, dtype=dtype) for out in lin.out_sizes
+            ]
 
     # -- CPU cache --------------------------------------------------------------------
     def add_lora(self, lora: LoRARequest) -> LoRAAdapter:
