@@ -23,6 +23,19 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[in
 
 
 @torch.inference_mode()
+def hf_greedy_no_eos(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy decoding with HF's model and its own KV cache, never stopping early (the
+    reference for requests with ignore_eos=True)."""
+    out = model(torch.tensor([prompt_ids]), use_cache=True)
+    past, ids = out.past_key_values, []
+    for _ in range(max_new_tokens):
+        ids.append(int(out.logits[0, -1].argmax()))
+        out = model(torch.tensor([[ids[-1]]]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+    return ids
+
+
+@torch.inference_mode()
 def assert_greedy_match(model, prompt_ids: list[int], ours: list[int], ref: list[int]) -> bool:
     """ours == ref, except that they may part at a step where the reference's top-2 logit gap
     is below TIE_GAP (checked here). Returns True if they matched exactly."""
