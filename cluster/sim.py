@@ -456,6 +456,24 @@ def plot(path: str, cfg: SimConfig, policies, zipfs, replicas, by_zipf, by_n) ->
     fig.savefig(path, dpi=110)
 
 
+# Service-time presets (SimConfig fields). "cpu-measured" was measured on 2026-11-29 with the
+# engine (EngineConfig(model="default"), 2 threads, quiet 2-core AMD EPYC): prefill 2.0 ms per
+# token (8 x 256-token prompts in one step), decode step 68.6 ms at batch 1 and 114.3 ms at
+# batch 16 (+4.5% per extra running sequence; 275 ms at batch 64 in benchmarks/
+# engine_throughput.py agrees), an r=16 all-linear adapter from local disk into the CPU cache
+# 23 ms, CPU cache -> slot 6 ms.
+SERVICE_PRESETS: dict[str, dict[str, float]] = {
+    "gpu-placeholder": {},  # SimConfig's defaults
+    "cpu-measured": {
+        "prefill_ms_per_token": 2.0,
+        "decode_ms_per_token": 68.6,
+        "batch_slowdown": 0.045,
+        "cpu_load_ms": 6.0,
+        "disk_load_ms": 23.0,
+    },
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--replicas", type=int, default=16)
@@ -469,6 +487,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--utilization", type=float, default=0.7)
     ap.add_argument("--load-bound-c", type=float, default=1.25)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--service",
+        choices=sorted(SERVICE_PRESETS),
+        default="gpu-placeholder",
+        help="service-time preset: 'cpu-measured' = raylora's engine on SmolLM2-135M on the "
+        "2-core CPU (scripts in docs/routing.md); 'gpu-placeholder' = rough GPU-class times",
+    )
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--plot", default=None, help="also run the sweep and save this PNG")
     ap.add_argument("--sweep-requests", type=int, default=20_000)
@@ -488,6 +513,7 @@ def main(argv: list[str] | None = None) -> None:
         utilization=args.utilization,
         load_bound_c=args.load_bound_c,
         seed=args.seed,
+        **SERVICE_PRESETS[args.service],
     )
     policies = [p for p in args.policies.split(",") if p]
     print(
