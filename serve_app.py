@@ -94,6 +94,7 @@ APP_ARGS: dict[str, tuple[Any, Any, str]] = {
     "served_model_name": (str, None, "the base model's name in the API"),
     "router": (str, "affinity", "affinity (AdapterAffinityRouter) or pow2 (Serve's default)"),
     "load_bound_c": (float, None, "AdapterAffinityRouter's load bound c"),
+    "min_load_bound": (int, None, "AdapterAffinityRouter's floor on the load bound (requests)"),
     "routing_stats_period_s": (float, 2.0, "how often routers read replica residency"),
     "report_interval_s": (float, 5.0, "how often replicas re-report to the registry"),
     "shutdown_timeout_s": (float, 30.0, "graceful shutdown: wait for in-flight requests"),
@@ -135,7 +136,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     engine, opts = parse_args(args)
     router_config = None
     if opts["router"] == "affinity" and importlib.util.find_spec("deployments.router"):
-        kwargs = {} if opts["load_bound_c"] is None else {"load_bound_c": opts["load_bound_c"]}
+        kwargs = {k: opts[k] for k in ("load_bound_c", "min_load_bound") if opts[k] is not None}
         router_config = RequestRouterConfig(
             request_router_class="deployments.router:AdapterAffinityRouter",
             request_router_kwargs=kwargs,
