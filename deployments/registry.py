@@ -17,7 +17,7 @@ import ray
 
 REGISTRY_NAME = "raylora_adapter_registry"
 REGISTRY_NAMESPACE = "raylora"
-DEFAULT_STALE_AFTER_S = 60.0
+DEFAULT_STALE_AFTER_S = 20.0  # 4 missed reports at LLMServer's default report_interval_s (5 s)
 
 
 class RegistryState:
