@@ -45,8 +45,9 @@ def make_broken_adapter(out: Path) -> Path:
     return out
 
 
-def start_ray(port: int) -> dict:
-    """A local 2-CPU cluster whose workers import this repo; Serve on 127.0.0.1:port."""
+def start_ray(port: int | None = None, namespace: str = "raylora-tests") -> dict:
+    """A local 2-CPU cluster on loopback whose workers import this repo, with Serve started:
+    HTTP on 127.0.0.1:port, or no HTTP proxy at all when port is None (handle-only tests)."""
     import ray
     from ray import serve
 
@@ -54,9 +55,12 @@ def start_ray(port: int) -> dict:
         p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p
     )
     ctx = ray.init(
-        num_cpus=2, include_dashboard=False, namespace="raylora-tests", _node_ip_address="127.0.0.1"
+        num_cpus=2, include_dashboard=False, namespace=namespace, _node_ip_address="127.0.0.1"
     )  # listen on loopback only
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    if port is None:
+        serve.start(proxy_location="Disabled")
+    else:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
     return ctx.address_info
 
 

@@ -8,13 +8,12 @@ replica with `max_loras=1`), which proves they reach the policy. When the load s
 wanted adapters drop to 0 and the deployment goes back to 1 replica.
 """
 
-import os
 import threading
 import time
 
 import pytest
 
-from tests.serve_fixtures import REPO, make_tiny_adapter
+from tests.serve_fixtures import make_tiny_adapter, start_ray, stop_ray
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -57,7 +56,6 @@ def wait_for(pred, timeout_s: float, what: str) -> float:
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory, tiny_model_dir):
-    import ray
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -68,18 +66,8 @@ def llm(tmp_path_factory, tiny_model_dir):
         name: str(make_tiny_adapter(tiny_model_dir, root / name, 4, ["q_proj", "v_proj"], i))
         for i, name in enumerate(ADAPTERS)
     }
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p
-    )
-    # Loopback only; no HTTP proxy (the test uses a handle).
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        namespace="raylora-tests",
-        _node_ip_address="127.0.0.1",
-    )
+    start_ray()  # loopback only; no HTTP proxy (the test uses a handle)
     try:
-        serve.start(proxy_location="Disabled")
         deployment = serve.deployment(
             LLMServer,
             name="LLMServer",
@@ -100,10 +88,7 @@ def llm(tmp_path_factory, tiny_model_dir):
         )
         yield serve.run(app, name=APP, route_prefix=None)
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
+        stop_ray()
 
 
 def stream_until(llm, stop: threading.Event, worker: int, done: list, errors: list) -> None:

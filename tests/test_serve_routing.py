@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.serve_fixtures import REPO, make_tiny_adapter, replica_stats
+from tests.serve_fixtures import make_tiny_adapter, replica_stats, start_ray, stop_ray
 
 pytestmark = [pytest.mark.slow]
 
@@ -74,21 +74,12 @@ def served(tmp_path_factory, tiny_model_dir):
         name: make_tiny_adapter(tiny_model_dir, root / name, 4, ["q_proj", "v_proj"], i)
         for i, name in enumerate(ADAPTERS)
     }
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p
-    )
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        namespace="raylora-routing-tests",
-    )
+    start_ray(namespace="raylora-routing-tests")  # loopback only; no HTTP proxy
     try:
         # Created here (before the replicas get_or_create it) to shorten its staleness
         # expiry; a restart re-runs the constructor with the same arguments.
         registry = get_or_create_registry(stale_after_s=STALE_AFTER_S)
         ray.get(registry.snapshot.remote())
-        serve.start(proxy_location="Disabled")
         args = {
             "model": tiny_model_dir,
             "adapters": ",".join(f"{n}={p}" for n, p in adapters.items()),
@@ -111,10 +102,7 @@ def served(tmp_path_factory, tiny_model_dir):
         serve.run(app, name=APP, route_prefix=None)
         yield {"handle": serve.get_deployment_handle("LLMServer", app_name=APP)}
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
+        stop_ray()
 
 
 def snapshot() -> dict:
