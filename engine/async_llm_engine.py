@@ -164,8 +164,7 @@ class AsyncLLMEngine:
         if not self._listeners:
             return
         with self._lock:
-            s = self.engine.stats()
-        now = (s["adapters_in_slots"], s["adapters_in_cpu"])
+            now = self.engine.residency()
         if now != self._residency:
             self._residency = now
             for cb in self._listeners:

@@ -10,6 +10,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.input_processor import InputProcessor
+from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest
 from engine.model_runner import ModelRunner
 from engine.models.loader import resolve_model
@@ -111,11 +112,7 @@ class LLMEngine:
         if lora_name in in_use:
             raise InvalidRequestError(f"adapter {lora_name!r} has unfinished requests")
         self.scheduler.slots.evict(lora_name)
-        manager = self._lora_manager()
-        for i, name in enumerate(manager.slot_names):
-            if name == lora_name:
-                manager.slot_names[i] = None
-        return manager.remove_lora(lora_name)
+        return self._lora_manager().remove_lora(lora_name)
 
     def pin_lora(self, lora_name: str) -> None:
         self._lora_manager().pin_lora(lora_name)
@@ -123,10 +120,15 @@ class LLMEngine:
     def list_loras(self) -> list[str]:
         return list(self._lora_manager().known) if self.config.enable_lora else []
 
-    def _lora_manager(self):
+    def _lora_manager(self) -> LoRAManager:
         if self.model_runner.lora_manager is None:
             raise InvalidRequestError("this engine was started with enable_lora=False")
         return self.model_runner.lora_manager
+
+    def residency(self) -> tuple[list[str], list[str]]:
+        """(adapters in slots, adapters in the CPU cache), as the scheduler and manager see them."""
+        cpu = self.model_runner.lora_manager.residency()[1] if self.config.enable_lora else []
+        return list(self.scheduler.slots.slot_of), cpu
 
     def stats(self) -> dict:
         sched, slots = self.scheduler, self.scheduler.slots
@@ -136,18 +138,17 @@ class LLMEngine:
             "hits": slots.num_hits,
             "misses": slots.num_activations,
         }
-        cpu = {}
         if self.model_runner.lora_manager is not None:
-            cpu = self.model_runner.lora_manager.stats()
-            lora["loads"] = cpu["loads"]
+            lora["loads"] = self.model_runner.lora_manager.num_loads
+        in_slots, in_cpu = self.residency()
         return {
             "num_running": len(sched.running),
             "num_waiting": len(sched.waiting),
             "num_free_blocks": self.block_manager.num_free_blocks,
             "num_blocks": self.block_manager.num_blocks,
             "num_preemptions": sched.num_preemptions,
-            "adapters_in_slots": list(slots.slot_of),
-            "adapters_in_cpu": cpu.get("adapters_in_cpu", []),
+            "adapters_in_slots": in_slots,
+            "adapters_in_cpu": in_cpu,
             "lora": lora,
         }
 

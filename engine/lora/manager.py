@@ -61,12 +61,13 @@ class LoRAManager:
             self.cpu_cache.move_to_end(name)
             self.num_cpu_hits += 1
             return cached
-        path = lora.lora_path or (self.known[name].lora_path if name in self.known else "")
-        adapter = load_adapter(path, name, self.spec)
+        if not lora.lora_path and name in self.known:  # reload by name after a CPU eviction
+            lora = self.known[name]
+        adapter = load_adapter(lora.lora_path, name, self.spec)
         self.num_loads += 1
         self._make_room()
         self.cpu_cache[name] = adapter
-        self.known[name] = lora if lora.lora_path else self.known[name]
+        self.known[name] = lora
         return adapter
 
     def _make_room(self) -> None:
@@ -78,8 +79,10 @@ class LoRAManager:
             self.num_cpu_evictions += 1
 
     def remove_lora(self, name: str) -> bool:
+        """Forget an adapter: CPU cache, pin, and the name of any slot it sits in."""
         self.pinned.discard(name)
         self.known.pop(name, None)
+        self.slot_names = [None if n == name else n for n in self.slot_names]
         return self.cpu_cache.pop(name, None) is not None
 
     def pin_lora(self, name: str) -> None:
@@ -108,11 +111,16 @@ class LoRAManager:
                 b_slot[:, r:R].zero_()
         self.slot_names[slot] = lora.lora_name
 
+    def residency(self) -> tuple[list[str], list[str]]:
+        """(adapters in slots, adapters in the CPU cache)."""
+        return [n for n in self.slot_names if n is not None], list(self.cpu_cache)
+
     def stats(self) -> dict:
+        slots, cpu = self.residency()
         return {
             "loads": self.num_loads,
             "cpu_hits": self.num_cpu_hits,
             "cpu_evictions": self.num_cpu_evictions,
-            "adapters_in_cpu": list(self.cpu_cache),
-            "adapters_in_slots": [n for n in self.slot_names if n is not None],
+            "adapters_in_slots": slots,
+            "adapters_in_cpu": cpu,
         }
