@@ -61,7 +61,6 @@ class SlotTable:
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
         self.slot_of: OrderedDict[str, int] = OrderedDict()
-        self.pinned: set[str] = set()
         self.num_activations = 0
         self.num_evictions = 0
         self.num_hits = 0
@@ -78,7 +77,7 @@ class SlotTable:
         if free:
             slot = free[0]
         else:
-            victim = next(n for n in self.slot_of if n not in in_use and n not in self.pinned)
+            victim = next(n for n in self.slot_of if n not in in_use)
             slot = self.slot_of.pop(victim)
             self.num_evictions += 1
         self.slot_of[name] = slot
@@ -87,7 +86,6 @@ class SlotTable:
 
     def evict(self, name: str) -> None:
         self.slot_of.pop(name, None)
-        self.pinned.discard(name)
 
 
 class Scheduler:
@@ -244,7 +242,7 @@ class Scheduler:
 
     def _assign_slots(self, out: SchedulerOutput) -> None:
         in_use = self.adapters_in_use()
-        assert len(in_use) <= max(self.config.max_loras, 0), (in_use, self.config.max_loras)
+        assert len(in_use) <= self.config.max_loras, (in_use, self.config.max_loras)
         for s in out.scheduled:
             lora = s.seq.lora_request
             if lora is None or lora.lora_name in out.lora_slots:
