@@ -339,6 +339,20 @@ def _percentile(sorted_xs: list[float], q: float) -> float:
     return sorted_xs[min(len(sorted_xs) - 1, int(q * len(sorted_xs)))]
 
 
+def slot_load_floor(cfg: SimConfig) -> float:
+    """Fewest slot loads per 1,000 requests that any router and eviction policy can get.
+
+    The fleet holds at most num_replicas * max_loras adapters in slots at any moment. Arrivals
+    are independent of the past, so the chance that an adapter request finds its adapter in
+    some slot is at most the popularity mass of the num_replicas * max_loras most popular
+    adapters; every other adapter request needs a load (a load can serve several queued
+    requests for one adapter, which the bound ignores: rare outside the top adapters).
+    """
+    weights = [1.0 / (k**cfg.zipf_s) for k in range(1, cfg.num_adapters + 1)]
+    top = sum(weights[: cfg.num_replicas * cfg.max_loras])
+    return 1000 * (1 - cfg.base_fraction) * (1 - top / sum(weights))
+
+
 def simulate(policy: str, cfg: SimConfig, *, check: bool = False) -> SimResult:
     """Run one policy over the workload of `cfg` (same seed -> same requests)."""
     t0 = time.perf_counter()
@@ -412,50 +426,6 @@ def format_table(results: list[SimResult]) -> str:
     return "\n".join(rows)
 
 
-def sweep(cfg: SimConfig, policies: list[str], zipfs: list[float], replicas: list[int]):
-    by_zipf = {p: [simulate(p, replace(cfg, zipf_s=s)) for s in zipfs] for p in policies}
-    by_n = {p: [simulate(p, replace(cfg, num_replicas=n)) for n in replicas] for p in policies}
-    return by_zipf, by_n
-
-
-def plot(path: str, cfg: SimConfig, policies, zipfs, replicas, by_zipf, by_n) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    panels = [
-        (axes[0][0], zipfs, by_zipf, "slot_loads_per_1k", "Zipf s", "adapter loads / 1k requests"),
-        (axes[0][1], zipfs, by_zipf, "ttft_p99_ms", "Zipf s", "p99 TTFT (ms)"),
-        (
-            axes[1][0],
-            replicas,
-            by_n,
-            "slot_loads_per_1k",
-            "replicas",
-            "adapter loads / 1k requests",
-        ),
-        (axes[1][1], replicas, by_n, "ttft_p99_ms", "replicas", "p99 TTFT (ms)"),
-    ]
-    for ax, xs, data, attr, xlabel, ylabel in panels:
-        for p in policies:
-            ax.plot(xs, [getattr(r, attr) for r in data[p]], marker="o", label=p)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        if attr == "ttft_p99_ms":
-            ax.set_yscale("log")
-    axes[0][0].legend()
-    fig.suptitle(
-        f"{cfg.num_adapters} adapters, {cfg.max_loras} slots/replica, "
-        f"{cfg.utilization:.0%} utilisation, {cfg.num_requests} requests per point "
-        f"(top: {cfg.num_replicas} replicas; bottom: Zipf {cfg.zipf_s})"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 # Service-time presets (SimConfig fields). "cpu-measured" was measured on 2026-11-29 with the
 # engine (EngineConfig(model="default"), 2 threads, quiet 2-core AMD EPYC): prefill 2.0 ms per
 # token (8 x 256-token prompts in one step), decode step 68.6 ms at batch 1 and 114.3 ms at
@@ -522,8 +492,18 @@ def main(argv: list[str] | None = None) -> None:
         f"{cfg.base_fraction:.0%} base, {cfg.num_requests} requests at "
         f"{cfg.utilization:.0%} utilisation ({1000 * cfg.arrival_rate_per_ms():.0f} req/s)"
     )
-    print(format_table([simulate(p, cfg) for p in policies]))
+    results = [simulate(p, cfg) for p in policies]
+    print(format_table(results))
+    floor = slot_load_floor(cfg)
+    p2c = next((r for r in results if r.policy == "p2c"), None)
+    vs = f" = {floor / p2c.slot_loads_per_1k:.2f}x p2c's" if p2c and p2c.slot_loads_per_1k else ""
+    print(
+        f"slot-load floor for any router: {floor:.1f} loads/1k{vs} (the "
+        f"{cfg.num_replicas * cfg.max_loras} most popular adapters always in slots)"
+    )
     if args.plot:
+        from cluster.sim_plot import plot, sweep
+
         zipfs = [float(x) for x in args.sweep_zipf.split(",")]
         ns = [int(x) for x in args.sweep_replicas.split(",")]
         scfg = replace(cfg, num_requests=args.sweep_requests)

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from cluster.sim import POLICIES, SimConfig, format_table, main, simulate
+from cluster.sim import POLICIES, SimConfig, format_table, main, simulate, slot_load_floor
 
 SMALL = SimConfig(
     num_replicas=4,
@@ -40,6 +40,17 @@ def test_same_seed_same_result_and_affinity_loads_less_than_p2c():
     assert a1.slot_loads_per_1k < p2c.slot_loads_per_1k
 
 
+def test_no_policy_beats_the_slot_load_floor():
+    # The floor is computed from the popularity law alone, not from the simulator: a policy
+    # under it would mean the simulator misses loads. 200 adapters for 4 x 4 slots.
+    cfg = replace(SMALL, num_adapters=200, zipf_s=0.9)
+    floor = slot_load_floor(cfg)
+    assert floor > 100
+    for policy in POLICIES:
+        assert simulate(policy, cfg).slot_loads_per_1k >= 0.95 * floor, policy
+    assert slot_load_floor(replace(cfg, num_adapters=16)) < 1e-9  # all fit in slots
+
+
 def test_base_only_traffic_needs_no_loads():
     res = simulate("affinity", replace(SMALL, base_fraction=1.0, num_requests=500), check=True)
     assert res.slot_loads_per_1k == 0 and res.num_completed == 500
@@ -49,4 +60,5 @@ def test_cli_prints_a_table(capsys):
     main(["--replicas", "3", "--adapters", "20", "--requests", "300", "--policies", "affinity,p2c"])
     out = capsys.readouterr().out
     assert "affinity" in out and "p2c" in out and "loads/1k" in out
+    assert "slot-load floor for any router" in out
     assert format_table([]).startswith("policy")
