@@ -250,12 +250,16 @@ def bare_decode_forward(engine) -> Callable[[], torch.Tensor]:
     Re-running it rewrites the KV entries of the last step with the same values."""
     runner, sched = engine.model_runner, engine.scheduler
     ids, positions, specs, slots = [], [], [], []
-    for seq in sched.running:
+    tagged = [
+        (seq, sched.slots.slot_of[seq.lora_name] if seq.lora_name is not None else -1)
+        for seq in sched.running
+    ]
+    for seq, slot in sorted(tagged, key=lambda t: (t[1] < 0, t[1])):  # as order_by_slot
         p = seq.num_computed_tokens - 1  # the token the last step ran
         ids.append(seq.token_ids[p])
         positions.append(p)
         specs.append((p, 1, seq.block_table))
-        slots.append(sched.slots.slot_of[seq.lora_name] if seq.lora_name is not None else -1)
+        slots.append(slot)
     dev = runner.device
     lora = None
     if runner.lora_manager is not None and any(s >= 0 for s in slots):

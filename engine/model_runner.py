@@ -11,7 +11,7 @@ from engine.lora.manager import LoRAManager
 from engine.models.llama import ForwardContext, LlamaForCausalLM, ModelArgs, rope_inv_freq
 from engine.models.loader import load_model_config, load_state_dict
 from engine.sampler import Sampler, SampleResult
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import ScheduledSeq, SchedulerOutput
 from kernels import LoRABatchMeta
 
 logger = logging.getLogger(__name__)
@@ -27,6 +27,18 @@ def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     if config.dtype != "auto":
         return getattr(torch, config.dtype)
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def order_by_slot(out: SchedulerOutput) -> list[tuple[ScheduledSeq, int]]:
+    """The scheduled sequences with their LoRA slot (-1 = base model), adapter sequences first
+    in ascending slot order, base ones last; stable otherwise. The LoRA kernels then find each
+    slot's tokens as one run of rows (LoRABatchMeta.tokens_sorted), which the torch path reads
+    as views instead of gathering and scattering rows in every LoRA layer."""
+    tagged = [
+        (s, out.lora_slots[s.seq.lora_name] if s.seq.lora_name is not None else -1)
+        for s in out.scheduled
+    ]
+    return sorted(tagged, key=lambda t: (t[1] < 0, t[1]))
 
 
 class ModelRunner:
@@ -85,11 +97,10 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_seqs = []
         specs = []
-        for s in out.scheduled:
+        for s, slot in order_by_slot(out):
             seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
             input_ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
-            slot = out.lora_slots[seq.lora_name] if seq.lora_name is not None else -1
             token_slots.extend([slot] * n)
             specs.append((start, n, seq.block_table))
             if s.sample:

@@ -192,7 +192,8 @@ def lora_expand(
 
     Args:
         buf: [S, T, R] contiguous, usually the fp32 output of `lora_shrink`.
-        lora_b: S tensors, each [L, H_out_s, R], contiguous, same dtype; H_out_s may
+        lora_b: S tensors, each [L, H_out_s, R], same dtype, same stride(1) and stride(2)
+            (contiguous, or views of one packed tensor: SlotWeights.lora_b); H_out_s may
             differ per slice (q/k/v under GQA: 576, 192, 192). Scaling alpha / r is
             folded in by the caller.
         meta: `LoRABatchMeta.build(token_slots, L)`, built once per step.

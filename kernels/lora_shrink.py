@@ -202,7 +202,8 @@ def lora_shrink(
 
     Args:
         x: [T, H_in] fp16/bf16/fp32, rows contiguous.
-        lora_a: S tensors (1 to 3 slices: e.g. q, k, v), each [L, R, H_in], contiguous,
+        lora_a: S tensors (1 to 3 slices: e.g. q, k, v), each [L, R, H_in], all with the
+            same strides (contiguous, or views of one packed tensor: SlotWeights.lora_a),
             same dtype as x; L = number of slots, R = max rank (zero-padded).
         meta: `LoRABatchMeta.build(token_slots, L)`, built once per step.
         scale: global factor (per-adapter alpha / r is folded into lora_b).

@@ -31,6 +31,10 @@ class LoRABatchMeta:
     active_slots: torch.Tensor  # [A] int32, ascending
     max_tokens_per_slot: int
     no_lora: bool  # True when no token has an adapter: the ops return at once
+    # True when sorted_token_ids is 0..T-1: the tokens already come grouped by slot (adapter
+    # tokens first, ascending slot, then the no-adapter ones), as the model runner orders
+    # them, so the torch path can use views of x and y instead of gathers and scatters.
+    tokens_sorted: bool
     num_tokens: int  # T
     num_lora_tokens: int  # tokens with slot >= 0 (the first ones of sorted_token_ids)
     # For the torch path (int64 because index_copy_/index_fill_ want it):
@@ -44,6 +48,9 @@ class LoRABatchMeta:
     active_slots_list: tuple[int, ...]
     slot_starts_list: tuple[int, ...]
     num_tokens_per_slot_list: tuple[int, ...]
+    # Runs of consecutive slot numbers among the active slots: (first slot, end slot, first
+    # active index), so the torch path can slice the stacked weights instead of copying them.
+    active_slot_runs: tuple[tuple[int, int, int], ...]
 
     @property
     def num_active_slots(self) -> int:
@@ -70,8 +77,11 @@ class LoRABatchMeta:
         sorted_key, order = torch.sort(key, stable=True)
         uniq, counts = torch.unique_consecutive(sorted_key, return_counts=True)
         starts = torch.cumsum(counts, 0) - counts
+        in_order = (order == torch.arange(num_tokens, device=order.device)).all()
         # One host sync for everything the launches need.
-        uniq_l, counts_l, starts_l = (t.tolist() for t in (uniq, counts, starts))
+        uniq_l, counts_l, starts_l, in_order_b = (
+            t.tolist() for t in (uniq, counts, starts, in_order)
+        )
         assert not uniq_l or uniq_l[0] >= 0, f"token_slots has slot {uniq_l[0]} < -1"
         if uniq_l and uniq_l[-1] == _NO_ADAPTER_KEY:  # drop the no-adapter group
             uniq_l, counts_l, starts_l = uniq_l[:-1], counts_l[:-1], starts_l[:-1]
@@ -94,6 +104,7 @@ class LoRABatchMeta:
             active_slots=uniq[:num_active].to(torch.int32),
             max_tokens_per_slot=max_n,
             no_lora=num_active == 0,
+            tokens_sorted=bool(in_order_b),
             num_tokens=num_tokens,
             num_lora_tokens=num_lora_tokens,
             lora_token_ids=order[:num_lora_tokens],
@@ -104,4 +115,15 @@ class LoRABatchMeta:
             active_slots_list=tuple(uniq_l),
             slot_starts_list=tuple(starts_l),
             num_tokens_per_slot_list=tuple(counts_l),
+            active_slot_runs=_runs(uniq_l),
         )
+
+
+def _runs(slots: list[int]) -> tuple[tuple[int, int, int], ...]:
+    runs: list[tuple[int, int, int]] = []
+    for i, slot in enumerate(slots):
+        if runs and runs[-1][1] == slot:
+            runs[-1] = (runs[-1][0], slot + 1, runs[-1][2])
+        else:
+            runs.append((slot, slot + 1, i))
+    return tuple(runs)

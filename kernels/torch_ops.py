@@ -91,7 +91,7 @@ def lora_shrink_torch(
         xs = x if all_tokens and meta.num_active_slots == 1 else x.index_select(0, ids)
         rows = torch.arange(meta.num_lora_tokens, device=x.device)
         for s, a in enumerate(lora_a):
-            full = (xs @ a.view(num_slots * rank, hidden_in).T).view(-1, num_slots, rank)
+            full = (xs @ a.reshape(num_slots * rank, hidden_in).T).view(-1, num_slots, rank)
             mine = full[rows, meta.lora_token_slots]  # [n, R]: each token's own slot
             out[s].index_copy_(0, ids, _scaled(mine, scale, out.dtype))
         return out

@@ -94,7 +94,12 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _check_weights(name: str, ws: Sequence[torch.Tensor], device: torch.device) -> None:
+def _check_weights(
+    name: str, ws: Sequence[torch.Tensor], device: torch.device, shared_dims: tuple[int, ...]
+) -> None:
+    """Per-slice weights: 3-D, one dtype, one device. Contiguous tensors or views of one packed
+    tensor (kernels.SlotWeights) both work: the kernels take the strides of ws[0] for
+    `shared_dims`, so every slice must have those strides."""
     assert isinstance(ws, (list, tuple)) and len(ws) > 0, (
         f"{name} must be a non-empty list of per-slice tensors"
     )
@@ -102,7 +107,10 @@ def _check_weights(name: str, ws: Sequence[torch.Tensor], device: torch.device) 
         assert w.dim() == 3, f"{name}[{s}] must be 3-D, got shape {tuple(w.shape)}"
         assert w.dtype in DTYPES, f"{name}[{s}] dtype {w.dtype} not in {DTYPES}"
         assert w.dtype == ws[0].dtype, f"{name}[{s}] dtype {w.dtype} != {name}[0] {ws[0].dtype}"
-        assert w.is_contiguous(), f"{name}[{s}] must be contiguous"
+        assert all(w.stride(d) == ws[0].stride(d) for d in shared_dims), (
+            f"{name}[{s}] strides {w.stride()} != {name}[0] strides {ws[0].stride()} "
+            f"in dims {shared_dims}"
+        )
         assert w.device == device, f"{name}[{s}] on {w.device}, inputs on {device}"
 
 
@@ -126,7 +134,7 @@ def check_shrink_args(
     assert x.dtype in DTYPES, f"x dtype {x.dtype} not in {DTYPES}"
     assert x.stride(1) == 1, f"x rows must be contiguous, got strides {x.stride()}"
     num_tokens, hidden_in = x.shape
-    _check_weights("lora_a", lora_a, x.device)
+    _check_weights("lora_a", lora_a, x.device, shared_dims=(0, 1, 2))
     num_slots, rank, _ = lora_a[0].shape
     for s, a in enumerate(lora_a):
         assert a.shape == (num_slots, rank, hidden_in), (
@@ -160,7 +168,7 @@ def check_expand_args(
     assert y.stride(1) == 1, f"y rows must be contiguous, got strides {y.stride()}"
     num_slices, num_tokens, rank = buf.shape
     assert y.shape[0] == num_tokens, f"y has {y.shape[0]} rows, buf has {num_tokens} tokens"
-    _check_weights("lora_b", lora_b, y.device)
+    _check_weights("lora_b", lora_b, y.device, shared_dims=(1, 2))  # stride(0): a table
     assert buf.device == y.device, f"buf on {buf.device}, y on {y.device}"
     assert len(lora_b) == num_slices, f"buf has {num_slices} slices, lora_b has {len(lora_b)}"
     num_slots = lora_b[0].shape[0]

@@ -254,8 +254,13 @@ def test_wrappers_reject_bad_arguments(monkeypatch):
     meta = LoRABatchMeta.build(torch.tensor([0, 1, -1, 1, 0]), NUM_SLOTS)
     with pytest.raises(AssertionError, match="x dtype"):
         lora_shrink(x.float(), lora_a, meta)
-    with pytest.raises(AssertionError, match="contiguous"):
+    with pytest.raises(AssertionError, match="lora_a\\[0\\] must be"):
         lora_shrink(x, [a.transpose(1, 2) for a in lora_a], meta)
+    strided = lora_a[1].transpose(1, 2).contiguous().transpose(1, 2)  # same shape, other strides
+    with pytest.raises(AssertionError, match="strides"):
+        lora_shrink(x, [lora_a[0], strided, lora_a[2]], meta)
+    with pytest.raises(AssertionError, match="strides"):
+        lora_expand(buf, [lora_b[0], lora_b[1].mT.contiguous().mT, lora_b[2]], meta, y)
     with pytest.raises(AssertionError, match="lora_a\\[1\\] must be"):
         lora_shrink(x, [lora_a[0], lora_a[1][:, :2]], meta)
     with pytest.raises(AssertionError, match="meta was built for 5 tokens"):

@@ -2,11 +2,12 @@
 
 The scheduler decides which adapter sits in which slot (engine/scheduler.py SlotTable);
 this manager owns the weights: the CPU cache of validated adapters and, per packed linear,
-the stacked slot tensors the kernels read:
-    lora_a[s]: [max_loras, max_lora_rank, in_features]   (zero-padded past the adapter's rank)
+the stacked slot tensors the kernels read (kernels.SlotWeights), for each slice s of the
+packed module (q/k/v, gate/up):
+    lora_a[s]: [max_loras, max_lora_rank, in_features]   (zero-padded past the adapter's rank;
+               a view of SlotWeights.a_t, where the slices' A^T sit side by side)
     lora_b[s]: [max_loras, out_features_s, max_lora_rank] (scaling folded in)
-for each slice s of the packed module (q/k/v, gate/up). Modules an adapter does not target
-stay zero in its slot, so they contribute nothing.
+Modules an adapter does not target stay zero in its slot, so they contribute nothing.
 """
 
 from collections import OrderedDict
@@ -17,6 +18,7 @@ from engine.config import LoRAConfig
 from engine.lora.adapter import LoRAAdapter, LoRAModelSpec, load_adapter
 from engine.lora.request import LoRARequest
 from engine.models.llama import PACKED_MODULES, LoRALinear
+from kernels import SlotWeights
 
 
 class LoRAManager:
@@ -39,13 +41,7 @@ class LoRAManager:
         self.linears = linears
         L, R = config.max_loras, config.max_lora_rank
         for lin in linears.values():
-            in_features = lin.weight.shape[1]
-            lin.lora_a = [
-                torch.zeros(L, R, in_features, device=device, dtype=dtype) for _ in lin.out_sizes
-            ]
-            lin.lora_b = [
-                torch.zeros(L, out, R, device=device, dtype=dtype) for out in lin.out_sizes
-            ]
+            lin.lora = SlotWeights.zeros(L, R, lin.weight.shape[1], lin.out_sizes, device, dtype)
 
     # -- CPU cache --------------------------------------------------------------------
     def add_lora(self, lora: LoRARequest) -> LoRAAdapter:
@@ -98,7 +94,7 @@ class LoRAManager:
         r = adapter.rank
         for (layer, packed), lin in self.linears.items():
             for s, module in enumerate(PACKED_MODULES[packed]):
-                a_slot, b_slot = lin.lora_a[s][slot], lin.lora_b[s][slot]
+                a_slot, b_slot = lin.lora.lora_a[s][slot], lin.lora.lora_b[s][slot]
                 w = adapter.weights.get((layer, module))
                 if w is None:
                     a_slot.zero_()

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
-from kernels import LoRABatchMeta, lora_expand, lora_shrink
+from kernels import LoRABatchMeta, SlotWeights, lora_linear
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -102,15 +102,13 @@ class LoRALinear(nn.Module):
         self.out_sizes = out_sizes
         self.weight = nn.Parameter(torch.empty(sum(out_sizes), in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(sum(out_sizes)), requires_grad=False) if bias else None
-        self.lora_a: list[torch.Tensor] | None = None  # per slice [max_loras, R, in]
-        self.lora_b: list[torch.Tensor] | None = None  # per slice [max_loras, out_s, R]
+        self.lora: SlotWeights | None = None  # the max_loras slots, set by the LoRA manager
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
         meta = ctx.lora
-        if meta is not None and not meta.no_lora and self.lora_a is not None:
-            buf = lora_shrink(x, self.lora_a, meta, backend=ctx.lora_backend)
-            lora_expand(buf, self.lora_b, meta, y, backend=ctx.lora_backend)
+        if meta is not None and not meta.no_lora and self.lora is not None:
+            lora_linear(x, y, self.lora, meta, backend=ctx.lora_backend)
         return y
 
 

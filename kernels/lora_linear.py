@@ -1,0 +1,183 @@
+"""The LoRA of one (packed) linear layer in one call: y += per-token x @ A^T @ B^T, slice by slice.
+
+    w = SlotWeights.zeros(max_loras, max_rank, in_features, [576, 192, 192])
+    lora_linear(x, y, w, meta)          # y: the base layer's output [T, sum(widths)]
+
+Triton backend: `lora_shrink` then `lora_expand` (GPU, or CPU under TRITON_INTERPRET=1).
+Torch backend (the CPU path): one fused routine that reads every active adapter's weights
+once and launches few ops. Decode with many adapters is bound by reading the weights, and
+MKL's batched GEMM streams them about twice as fast in some layouts as in others (measured:
+benchmarks/lora_overhead.py, docs/benchmarks.md), so SlotWeights stores them for the CPU GEMM:
+  - the A matrices of all slices stacked, [L, S * R, H_in]; the shrink is A @ x^T, one bmm for
+    every slice (the weight as the row-major left operand, the few tokens as the right one);
+  - the B matrices transposed and side by side, [L, R, H_out]; the expand is buf @ B^T[cols].
+The per-slice [L, R, H_in] and [L, H_out_s, R] views the Triton kernels take are views of these.
+
+When the tokens arrive grouped by slot (the model runner orders them so; see
+`LoRABatchMeta.tokens_sorted`), the torch path reads x and writes y through views instead of
+gathers and scatters: with equal token counts per slot (decode) a layer's LoRA is 1 + S bmm
+calls and S in-place adds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.lora_expand import lora_expand
+from kernels.lora_shrink import lora_shrink
+from kernels.metadata import LoRABatchMeta
+from kernels.torch_ops import _sgmv_fits
+from kernels.utils import resolve_backend
+
+
+@dataclass
+class SlotWeights:
+    """Stacked per-slot LoRA weights of one packed linear (slices: q/k/v, gate/up, or one).
+
+    a: [L, S * R, H_in]; rows [s * R, (s + 1) * R) of slot l are slice s's A
+    b_t: [L, R, H_out]; columns of slice s (offsets = cumulative widths) hold its B^T
+    Zero-padded past each adapter's rank; a slice an adapter does not target stays zero.
+    """
+
+    a: torch.Tensor
+    b_t: torch.Tensor
+    widths: list[int]
+    lora_a: list[torch.Tensor] = field(init=False)  # per slice [L, R, H_in] views of a
+    lora_b: list[torch.Tensor] = field(init=False)  # per slice [L, H_out_s, R] views of b_t
+
+    def __post_init__(self) -> None:
+        num_slots, sr, _ = self.a.shape
+        num_slices = len(self.widths)
+        assert sr % num_slices == 0, f"a has {sr} rows per slot for {num_slices} slices"
+        r = sr // num_slices
+        assert self.b_t.shape == (num_slots, r, sum(self.widths)), (
+            f"b_t must be [L={num_slots}, R={r}, H_out={sum(self.widths)}], "
+            f"got {tuple(self.b_t.shape)}"
+        )
+        self.lora_a = [self.a[:, s * r : (s + 1) * r] for s in range(num_slices)]
+        self.lora_b = [self.b_t[:, :, cols].mT for _, cols in self.slices()]
+        # For the torch path: (columns of slice s in the shrink output, B^T of slice s).
+        self._parts = [
+            (slice(s * r, (s + 1) * r), self.b_t[:, :, cols]) for s, cols in self.slices()
+        ]
+
+    @classmethod
+    def zeros(
+        cls,
+        num_slots: int,
+        rank: int,
+        hidden_in: int,
+        widths: Sequence[int],
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> SlotWeights:
+        a = torch.zeros(num_slots, len(widths) * rank, hidden_in, device=device, dtype=dtype)
+        b_t = torch.zeros(num_slots, rank, sum(widths), device=device, dtype=dtype)
+        return cls(a, b_t, list(widths))
+
+    @property
+    def rank(self) -> int:
+        return self.b_t.shape[1]
+
+    def slices(self):
+        """(slice index, column slice of y) for each slice."""
+        start = 0
+        for s, width in enumerate(self.widths):
+            yield s, slice(start, start + width)
+            start += width
+
+
+def lora_linear(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    w: SlotWeights,
+    meta: LoRABatchMeta,
+    backend: str = "auto",
+) -> None:
+    """y[t, cols_s] += x[t] @ lora_a[s][slot(t)].T @ lora_b[s][slot(t)].T for every token
+    with an adapter (slot(t) >= 0) and every slice s; rows of other tokens stay untouched.
+
+    x: [T, H_in]; y: [T, sum(w.widths)], rows contiguous, same dtype as the weights.
+    """
+    if meta.no_lora:
+        return
+    if resolve_backend(backend, x) == "triton":
+        buf = lora_shrink(x, w.lora_a, meta, backend="triton")
+        lora_expand(buf, w.lora_b, meta, y, backend="triton")
+        return
+    assert x.dim() == 2 and y.dim() == 2 and x.shape[0] == y.shape[0] == meta.num_tokens, (
+        f"x {tuple(x.shape)} and y {tuple(y.shape)} must be [T={meta.num_tokens}, H]"
+    )
+    assert y.shape[1] == sum(w.widths), f"y has {y.shape[1]} columns, slices sum to {w.widths}"
+    lora_linear_torch(x, y, w, meta)
+
+
+def lora_linear_torch(
+    x: torch.Tensor, y: torch.Tensor, w: SlotWeights, meta: LoRABatchMeta
+) -> None:
+    """Torch path of `lora_linear` (arguments already checked)."""
+    if meta.no_lora:
+        return
+    x, hidden_in = x.to(w.a.dtype), x.shape[1]
+    num_active, max_n, num_lora = (
+        meta.num_active_slots,
+        meta.max_tokens_per_slot,
+        meta.num_lora_tokens,
+    )
+    uniform = meta.tokens_sorted and num_active * max_n == num_lora
+    if not uniform and not _sgmv_fits(meta):
+        _per_slot(x, y, w, meta)  # uneven segments (a long prefill next to decodes)
+        return
+    if uniform:  # equal runs of tokens per slot at the top of the batch: views, no copies
+        xs = (x if num_lora == x.shape[0] else x[:num_lora]).view(num_active, max_n, hidden_in)
+    else:  # each slot's tokens padded into one row of [A, max_n]
+        xs = x.index_select(0, meta.padded_token_ids.flatten()).view(num_active, max_n, hidden_in)
+    buf = _bmm_active(w.a, xs.mT, meta, weights_left=True).mT  # [A, max_n, S * R]
+    if len(w._parts) == 1:
+        delta = _bmm_active(w.b_t, buf, meta)  # [A, max_n, H_out]
+    else:
+        delta = torch.cat([_bmm_active(b, buf[:, :, rs], meta) for rs, b in w._parts], dim=2)
+    if uniform:
+        ys = y if num_lora == y.shape[0] else y[:num_lora]
+        ys.view(num_active, max_n, y.shape[1]).add_(delta.to(y.dtype))
+        return
+    delta = delta.view(num_active * max_n, y.shape[1]).index_select(0, meta.padded_rows)
+    _add_rows(y, meta, slice(0, num_lora), delta)
+
+
+def _bmm_active(
+    weights: torch.Tensor, rhs: torch.Tensor, meta: LoRABatchMeta, weights_left: bool = False
+) -> torch.Tensor:
+    """bmm of the active slots' weights with rhs [A, ...] (weights @ rhs if weights_left, else
+    rhs @ weights), one bmm per run of consecutive slots: slices of the weights, no copies."""
+    runs = meta.active_slot_runs
+    if len(runs) == 1 and runs[0][1] - runs[0][0] == weights.shape[0]:  # every slot active
+        return torch.bmm(weights, rhs) if weights_left else torch.bmm(rhs, weights)
+    out = []
+    for lo, hi, i in runs:
+        ws, r = weights[lo:hi], rhs[i : i + hi - lo]
+        out.append(torch.bmm(ws, r) if weights_left else torch.bmm(r, ws))
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def _per_slot(x: torch.Tensor, y: torch.Tensor, w: SlotWeights, meta: LoRABatchMeta) -> None:
+    for slot, start, n in zip(
+        meta.active_slots_list, meta.slot_starts_list, meta.num_tokens_per_slot_list, strict=True
+    ):
+        rows = slice(start, start + n)
+        xs = x[rows] if meta.tokens_sorted else x.index_select(0, meta.lora_token_ids[rows])
+        buf = (w.a[slot] @ xs.T).T  # [n, S * R]
+        delta = torch.cat([buf[:, rs] @ b[slot] for rs, b in w._parts], dim=1)
+        _add_rows(y, meta, rows, delta)
+
+
+def _add_rows(y: torch.Tensor, meta: LoRABatchMeta, rows: slice, delta: torch.Tensor) -> None:
+    """y[token of lora row i] += delta[i - rows.start] for the lora rows `rows`."""
+    delta = delta.to(y.dtype)
+    if meta.tokens_sorted:  # lora row i is token i
+        y[rows].add_(delta)
+    else:
+        y.index_add_(0, meta.lora_token_ids[rows], delta)

@@ -1,0 +1,108 @@
+"""lora_linear (shrink + expand of one packed linear, fused on the torch path) against the fp32
+references, on every layout its torch path distinguishes, and through Triton (interpreter)."""
+
+import zlib
+
+import pytest
+import torch
+
+from kernels import LoRABatchMeta, SlotWeights, lora_expand_ref, lora_linear, lora_shrink_ref
+
+L, R = 6, 8  # slot 5 is never used: it holds NaN garbage
+WIDTHS = {"qkv": (64, [64, 16, 16]), "o": (64, [64]), "down": (96, [64])}
+
+
+def _weights(widths_key: str, dtype: torch.dtype, gen: torch.Generator) -> SlotWeights:
+    hidden_in, widths = WIDTHS[widths_key]
+    w = SlotWeights.zeros(L, R, hidden_in, widths, dtype=dtype)
+    for a in w.lora_a:  # views of w.a and w.b_t: writing them fills the packed tensors
+        a.copy_(torch.randn(a.shape, generator=gen) * hidden_in**-0.5)
+    for b in w.lora_b:
+        b.copy_(torch.randn(b.shape, generator=gen) * R**-0.5)
+    w.lora_b[0][5].fill_(float("nan"))  # an inactive slot's garbage must not leak
+    w.lora_a[0][5].fill_(float("nan"))
+    return w
+
+
+def _slots(layout: str, gen: torch.Generator) -> torch.Tensor:
+    runs = {
+        # (slot, count): grouped by slot as the model runner orders them, base tokens last
+        "sorted_uniform": [(0, 3), (2, 3), (4, 3)],
+        "sorted_uniform_one_slot": [(1, 7)],
+        "sorted_uneven": [(0, 2), (1, 1), (4, 3), (-1, 4)],
+        "sorted_prefill_and_decode": [(0, 40), (2, 1), (3, 1), (-1, 2)],
+    }
+    if layout in runs:
+        return torch.tensor([s for s, n in runs[layout] for _ in range(n)], dtype=torch.int32)
+    n = {"shuffled": 23, "shuffled_prefill": 60}[layout]
+    slots = torch.randint(-1, L - 1, (n,), generator=gen)
+    if layout == "shuffled_prefill":
+        slots[torch.randperm(n, generator=gen)[:45]] = 2  # one long segment: no padding
+    slots[:3] = torch.tensor([-1, 4, 0])  # unsorted for sure
+    return slots.to(torch.int32)
+
+
+LAYOUTS = [
+    "sorted_uniform",
+    "sorted_uniform_one_slot",
+    "sorted_uneven",
+    "sorted_prefill_and_decode",
+    "shuffled",
+    "shuffled_prefill",
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("widths_key", sorted(WIDTHS))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_lora_linear_matches_reference(monkeypatch, backend, widths_key, layout):
+    if backend == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{widths_key}/{layout}".encode()))
+    w = _weights(widths_key, torch.float32, gen)
+    slots = _slots(layout, gen)
+    meta = LoRABatchMeta.build(slots, L)
+    assert meta.tokens_sorted == layout.startswith("sorted")
+    x = torch.randn(len(slots), w.a.shape[2], generator=gen)
+    y = torch.randn(len(slots), sum(w.widths), generator=gen)
+    ref = lora_expand_ref(lora_shrink_ref(x, w.lora_a, slots), w.lora_b, slots, y)
+    base_rows = (slots < 0).nonzero().flatten()
+    y0 = y.clone()
+    lora_linear(x, y, w, meta, backend=backend)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(y[base_rows], y0[base_rows])  # base tokens untouched, bit for bit
+
+
+def test_lora_linear_bf16_and_base_only():
+    gen = torch.Generator().manual_seed(0)
+    w = _weights("qkv", torch.bfloat16, gen)
+    slots = _slots("sorted_uneven", gen)
+    x = torch.randn(len(slots), 64, generator=gen).to(torch.bfloat16)
+    y = torch.randn(len(slots), 96, generator=gen).to(torch.bfloat16)
+    ref = lora_expand_ref(lora_shrink_ref(x, w.lora_a, slots), w.lora_b, slots, y)
+    lora_linear(x, y, w, LoRABatchMeta.build(slots, L), backend="torch")
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
+    y1 = y.clone()
+    lora_linear(x, y, w, LoRABatchMeta.build(torch.full_like(slots, -1), L), backend="torch")
+    assert torch.equal(y, y1)
+
+
+def test_slot_weights_layout():
+    w = SlotWeights.zeros(3, 4, 10, [6, 2])
+    assert w.a.shape == (3, 8, 10) and w.b_t.shape == (3, 4, 8) and w.rank == 4
+    assert [tuple(a.shape) for a in w.lora_a] == [(3, 4, 10)] * 2
+    assert [tuple(b.shape) for b in w.lora_b] == [(3, 6, 4), (3, 2, 4)]
+    w.lora_a[1][2].fill_(1.0)  # slot 2 of slice 1 = rows 4..7 of a[2]
+    assert w.a[2, 4:].eq(1).all() and w.a[2, :4].eq(0).all() and w.a[:2].eq(0).all()
+    w.lora_b[1][0].fill_(2.0)  # slot 0 of slice 1 = columns 6..7 of b_t[0]
+    assert w.b_t[0, :, 6:].eq(2).all() and w.b_t[0, :, :6].eq(0).all() and w.b_t[1:].eq(0).all()
+    with pytest.raises(AssertionError, match="b_t must be"):
+        SlotWeights(torch.zeros(3, 8, 10), torch.zeros(3, 4, 7), [6, 2])
+
+
+def test_meta_slot_runs():
+    meta = LoRABatchMeta.build(torch.tensor([4, 0, -1, 1, 3, 0, 4]), 6)
+    assert meta.active_slots_list == (0, 1, 3, 4)
+    assert meta.active_slot_runs == ((0, 2, 0), (3, 5, 2))  # slots 0-1 and 3-4
