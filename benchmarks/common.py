@@ -305,23 +305,46 @@ def time_decode_steps(
     """Step the engine to steady-state decode, then time num_steps engine.step() calls, each
     followed (paired, so both see the same load on shared cores) by the bare forward of the
     batch it just ran. The running sequences must not finish within these steps."""
-    while not all_decoding(engine):
-        engine.step()
-    batch = len(engine.scheduler.running)
-    engine.step()  # one decode step untimed (first-touch of new blocks, allocator warm-up)
-    steps, forwards, ctx = [], [], []
-    for _ in tqdm(range(num_steps), desc=desc, unit="step", mininterval=1.0):
-        t0 = time.perf_counter()
-        engine.step()
-        steps.append(time.perf_counter() - t0)
-        assert len(engine.scheduler.running) == batch, "a sequence finished while timing"
-        ctx.extend(s.num_computed_tokens for s in engine.scheduler.running)
-        if with_forward:
-            fwd = bare_decode_forward(engine)
+    return time_paired_decode_steps({"": engine}, num_steps, with_forward, desc)[""]
+
+
+def time_paired_decode_steps(
+    engines: dict[str, object], num_steps: int, with_forward: bool = True, desc: str = "decode"
+) -> dict[str, DecodeTiming]:
+    """time_decode_steps for several engines at once, taking turns step by step (the order
+    rotates each round), so that step i of every engine sees the same machine state: on
+    shared cores the speed drifts by tens of percent within a minute, and the ratio of two
+    steps taken a fraction of a second apart holds much better than that of two rounds."""
+    for engine in engines.values():
+        while not all_decoding(engine):
+            engine.step()
+        engine.step()  # one decode step untimed (first-touch of new blocks, allocator warm-up)
+    kinds = list(engines)
+    batch = {k: len(e.scheduler.running) for k, e in engines.items()}
+    steps: dict[str, list[float]] = {k: [] for k in kinds}
+    forwards: dict[str, list[float]] = {k: [] for k in kinds}
+    ctx: dict[str, list[int]] = {k: [] for k in kinds}
+    for i in tqdm(range(num_steps), desc=desc, unit="step", mininterval=1.0):
+        for kind in kinds[i % len(kinds) :] + kinds[: i % len(kinds)]:
+            engine = engines[kind]
             t0 = time.perf_counter()
-            fwd()
-            forwards.append(time.perf_counter() - t0)
-    return DecodeTiming(batch, steps, forwards, (min(ctx), max(ctx)))
+            engine.step()
+            steps[kind].append(time.perf_counter() - t0)
+            assert len(engine.scheduler.running) == batch[kind], "a sequence finished while timing"
+            ctx[kind].extend(s.num_computed_tokens for s in engine.scheduler.running)
+            if with_forward:
+                fwd = bare_decode_forward(engine)
+                t0 = time.perf_counter()
+                fwd()
+                forwards[kind].append(time.perf_counter() - t0)
+    return {
+        k: DecodeTiming(batch[k], steps[k], forwards[k], (min(ctx[k]), max(ctx[k]))) for k in kinds
+    }
+
+
+def paired_ratio(num: list[float], den: list[float]) -> float:
+    """Median of the ratios of paired samples (num[i] / den[i])."""
+    return statistics.median(a / b for a, b in zip(num, den, strict=True))
 
 
 def finish_all(engine) -> None:

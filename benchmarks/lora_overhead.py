@@ -9,10 +9,12 @@ temporary folder (or --adapter-dir, kept).
 
 (a) Decode step time: --batch sequences, batch / num_adapters per adapter, all adapters in
     slots at once (max_loras = num_adapters), against the same prompts on the base model
-    (no adapter). Steady-state decode only (after every prefill), --steps steps per round,
-    --rounds rounds alternating base/LoRA first; medians. Each engine step is paired with the
-    bare model forward of its batch, so the forward's own LoRA cost is printed too.
-    Target: LoRA / base <= 1.1x.
+    (no adapter) in a second, identical engine. Steady-state decode only (after every
+    prefill); the two engines take turns, one step each, for --steps steps per round,
+    --rounds rounds; the ratio is the median over the pairs of LoRA step / base step (the
+    machine's speed drifts by tens of percent within a minute; a pair a fraction of a second
+    apart sees the same speed). Each engine step is followed by the bare model forward of its
+    batch, so the forward's own LoRA cost is printed too. Target: LoRA / base <= 1.1x.
 (b) Mixed-adapter throughput: the engine_throughput workload (--num-requests, prompt and
     output lengths, --seed), request i on adapter i % num_adapters, all submitted at once,
     against HF PEFT's mixed-batch `generate(adapter_names=...)` at batch --hf-batch with the
@@ -38,10 +40,11 @@ from benchmarks.common import (  # noqa: E402
     make_random_adapters,
     make_workload,
     num_matching,
+    paired_ratio,
     run_engine,
     run_hf,
     setup_threads,
-    time_decode_steps,
+    time_paired_decode_steps,
     verdict,
     vocab_range,
 )
@@ -91,15 +94,14 @@ def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
         LoRARequest(name, i + 1, str(p))
         for i, (name, p) in enumerate(zip(names, paths, strict=True))
     ]
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(path),
-            max_loras=n,
-            max_lora_rank=args.rank,
-            max_cpu_loras=max(32, n),
-            max_num_seqs=max(64, args.batch, args.num_requests),
-        )
+    config = EngineConfig(
+        model=str(path),
+        max_loras=n,
+        max_lora_rank=args.rank,
+        max_cpu_loras=max(32, n),
+        max_num_seqs=max(64, args.batch, args.num_requests),
     )
+    engine = LLMEngine(config)
     low, high = vocab_range(engine.tokenizer, engine.model_runner.args.vocab_size)
     work = make_workload(
         args.num_requests, tuple(args.prompt_len), tuple(args.output_len), low, high, args.seed
@@ -115,7 +117,9 @@ def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
     warm = make_workload(n, (8, 8), (4, 4), low, high, args.seed + 1)
     run_engine(engine, warm, loras, desc="warm-up raylora")
 
-    # (a) decode step: LoRA batch vs base batch, paired rounds
+    # (a) decode step: the LoRA batch and the base batch on two identical engines, stepped in
+    # turn (common.time_paired_decode_steps), so each LoRA step has a base step beside it.
+    engines = {"base": LLMEngine(config), "lora": engine}
     prompts = (work.prompts * (args.batch // len(work.prompts) + 1))[: args.batch]
     per = args.batch // n
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 64, ignore_eos=True)
@@ -123,22 +127,25 @@ def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
         k: {"step": [], "fwd": []} for k in ("base", "lora")
     }
     for r in range(args.rounds):
-        for kind in ("base", "lora") if r % 2 == 0 else ("lora", "base"):
+        for kind, eng in engines.items():
             for i, prompt in enumerate(prompts):
                 lora = loras[i // per] if kind == "lora" else None
-                engine.add_request(f"{kind}{r}-{i}", {"prompt_token_ids": prompt}, params, lora)
-            t = time_decode_steps(engine, args.steps, desc=f"round {r} {kind} decode")
-            finish_all(engine)
-            timing[kind]["step"] += t.step_s
-            timing[kind]["fwd"] += t.forward_s
+                eng.add_request(f"{kind}{r}-{i}", {"prompt_token_ids": prompt}, params, lora)
+        paired = time_paired_decode_steps(engines, args.steps, desc=f"round {r} paired decode")
+        for kind, eng in engines.items():
+            finish_all(eng)
+            timing[kind]["step"] += paired[kind].step_s
+            timing[kind]["fwd"] += paired[kind].forward_s
+    del engines["base"]
     med = {k: {m: statistics.median(v) for m, v in d.items()} for k, d in timing.items()}
-    step_ratio = med["lora"]["step"] / med["base"]["step"]
-    fwd_ratio = med["lora"]["fwd"] / med["base"]["fwd"]
+    step_ratio = paired_ratio(timing["lora"]["step"], timing["base"]["step"])
+    fwd_ratio = paired_ratio(timing["lora"]["fwd"], timing["base"]["fwd"])
     log("")
     log("== LoRA overhead: decode step ==")
     log(
         f"batch {args.batch} ({per} per adapter, {n} adapters), contexts as in the workload, "
-        f"{len(timing['lora']['step'])} steps each (medians)"
+        f"two engines stepped in turn, {len(timing['lora']['step'])} steps each (medians; "
+        "ratios: median over the step pairs)"
     )
     log(
         f"base  engine.step(): {med['base']['step'] * 1e3:8.2f} ms   "
@@ -153,6 +160,12 @@ def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
         f"{verdict(step_ratio, STEP_TARGET, False)}"
     )
     log(f"ratio LoRA / base (bare forward): {fwd_ratio:.3f}x")
+    pairs = zip(timing["lora"]["step"], timing["base"]["step"], strict=True)
+    spread = sorted(a / b for a, b in pairs)
+    log(
+        f"step pairs: {len(spread)}, ratio quartiles {spread[len(spread) // 4]:.3f} / "
+        f"{spread[len(spread) // 2]:.3f} / {spread[3 * len(spread) // 4]:.3f}"
+    )
     result = {
         "base_step_ms": med["base"]["step"] * 1e3,
         "lora_step_ms": med["lora"]["step"] * 1e3,
