@@ -308,3 +308,13 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard] = Field(default_factory=list)
+
+
+def validate_as(model: type[BaseModel], value: Any) -> Any:
+    """`value` as a `model` instance (validated from a dict if need be); APIError 400 if invalid."""
+    if isinstance(value, model):
+        return value
+    try:
+        return model.model_validate(value)
+    except ValidationError as e:
+        raise validation_error_to_api(e) from None

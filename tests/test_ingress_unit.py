@@ -11,7 +11,8 @@ import os
 import pytest
 from fastapi.testclient import TestClient
 
-from deployments.ingress import OpenAIServing, build_openai_app
+from deployments.openai_app import build_openai_app
+from deployments.openai_serving import OpenAIServing
 from deployments.protocol import APIError
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,0 +1,278 @@
+"""OpenAIServing: the OpenAI-compatible API's logic, without HTTP or Ray.
+
+Validation, model-name resolution, building responses and SSE chunks, adapter load/unload.
+It talks to an `LLMBackend` (the LLMServer deployment) and a `RegistryBackend` (the
+AdapterRegistry actor) given to it; deployments/openai_app.py puts HTTP routes around it and
+deployments/ingress.py is the Ray Serve deployment that wires both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from pydantic import BaseModel
+
+from deployments import metrics
+from deployments.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    ModelCard,
+    ModelList,
+    UnloadLoRAAdapterRequest,
+)
+from deployments.responses import ChunkBuilder, build_chat_response, build_completion_response
+
+CATALOG_TTL_S = 2.0
+
+
+class LLMBackend(Protocol):
+    """What the ingress needs from the engine replicas. `adapter` "" = the base model."""
+
+    def stream(self, request: dict, adapter: str) -> AsyncIterator[dict]: ...
+    async def complete(self, request: dict, adapter: str) -> dict: ...
+    async def load_adapter(self, name: str, path: str) -> dict: ...
+    async def model_info(self) -> dict: ...
+
+
+class RegistryBackend(Protocol):
+    async def list_adapters(self) -> dict[str, dict]: ...
+    async def register_adapter(self, name: str, spec: dict) -> None: ...
+    async def unregister_adapter(self, name: str) -> bool: ...
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """The original exception of a RayTaskError (which wraps what a replica raised)."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
+
+
+def map_exception(exc: BaseException) -> APIError:
+    """Any exception from a replica or the handle -> the APIError the client gets."""
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    exc = _unwrap(exc)
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, (BackPressureError, DeploymentUnavailableError)):
+        return APIError(503, f"The server is overloaded; retry later. ({exc})", code="overloaded")
+    return APIError(500, f"Internal error: {type(exc).__name__}: {exc}")
+
+
+class OpenAIServing:
+    def __init__(
+        self,
+        llm: LLMBackend,
+        registry: RegistryBackend | None,
+        served_model_name: str | None = None,
+        api_key: str | None = None,
+        adapter_roots: list[str] | None = None,
+    ) -> None:
+        self.llm = llm
+        self.registry = registry
+        self.api_key = api_key or None
+        # None: load_lora_adapter may load from anywhere (vLLM's behaviour).
+        self.adapter_roots = (
+            None
+            if adapter_roots is None
+            else [Path(r).expanduser().resolve() for r in adapter_roots]
+        )
+        self._base_name = served_model_name
+        self._catalog: dict[str, dict] = {}
+        self._catalog_time = float("-inf")
+
+    # ------------------------------------------------------------------ auth + names
+
+    def check_api_key(self, authorization: str | None) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or token.strip() != self.api_key:
+            raise APIError(
+                401, "Invalid or missing API key.", "authentication_error", code="invalid_api_key"
+            )
+
+    async def base_model(self) -> str:
+        if self._base_name is None:
+            self._base_name = (await self.llm.model_info())["model_name"]
+        return self._base_name
+
+    async def catalog(self, refresh: bool = False) -> dict[str, dict]:
+        if self.registry is None:
+            return self._catalog
+        if refresh or time.monotonic() - self._catalog_time > CATALOG_TTL_S:
+            try:
+                self._catalog = await asyncio.wait_for(self.registry.list_adapters(), 5.0)
+                self._catalog_time = time.monotonic()
+            except Exception:  # keep serving with the last catalog we had
+                pass
+        return self._catalog
+
+    async def resolve_model(self, model: str) -> str:
+        """`model` -> the adapter name, or "" for the base model; APIError 404 if unknown.
+
+        Accepts the base model name, an adapter name (vLLM) and `<base>:<adapter>` (Ray Serve
+        LLM).
+        """
+        base = await self.base_model()
+        if model == base:
+            return ""
+        for refresh in (False, True):
+            catalog = await self.catalog(refresh=refresh)
+            if model in catalog:
+                return model
+            prefix, sep, adapter = model.partition(":")
+            if sep and prefix == base and adapter in catalog:
+                return adapter
+        raise APIError(
+            404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
+        )
+
+    async def list_models(self) -> ModelList:
+        base = await self.base_model()
+        cards = [ModelCard(id=base, root=base)]
+        for name, spec in sorted((await self.catalog(refresh=True)).items()):
+            cards.append(ModelCard(id=name, root=spec.get("source"), parent=base))
+        return ModelList(data=cards)
+
+    # ------------------------------------------------------------------ generation
+
+    async def _prepare(self, req: CompletionRequest | ChatCompletionRequest) -> tuple[dict, str]:
+        adapter = await self.resolve_model(req.model)
+        engine_request: dict[str, Any] = {
+            "sampling_params": req.sampling_params(),
+            "request_id": uuid.uuid4().hex,
+        }
+        if isinstance(req, ChatCompletionRequest):
+            engine_request["messages"] = req.chat_messages()
+        else:
+            prompt = req.single_prompt()
+            key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
+            engine_request[key] = prompt
+        if adapter:
+            engine_request["adapter"] = adapter
+        return engine_request, adapter
+
+    async def complete(self, req: CompletionRequest | ChatCompletionRequest) -> BaseModel:
+        """A non-streamed completion or chat completion."""
+        engine_request, adapter = await self._prepare(req)
+        try:
+            out = await self.llm.complete(engine_request, adapter)
+        except Exception as e:
+            raise map_exception(e) from None
+        tags = {"model": req.model}
+        metrics.TOKENS_GENERATED.inc(sum(len(o["token_ids"]) for o in out["outputs"]), tags)
+        if isinstance(req, ChatCompletionRequest):
+            return build_chat_response(req, out)
+        return build_completion_response(req, out)
+
+    async def stream(self, req: CompletionRequest | ChatCompletionRequest) -> AsyncIterator[dict]:
+        """Chunk dicts (OpenAI's *.chunk objects). Errors before the first chunk raise
+        APIError; later ones end the stream with an {"error": ...} chunk."""
+        engine_request, adapter = await self._prepare(req)
+        builder = ChunkBuilder(req)
+        start = time.perf_counter()
+        outputs = self.llm.stream(engine_request, adapter)
+        try:
+            first = await outputs.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except BaseException as e:
+            await outputs.aclose()
+            if isinstance(e, Exception):
+                raise map_exception(e) from None
+            raise
+        return self._stream_rest(builder, outputs, first, {"model": req.model}, start)
+
+    async def _stream_rest(self, builder, outputs, first, tags, start) -> AsyncIterator[dict]:
+        first_token_time = None
+        num_tokens = 0
+        try:
+            item = first
+            while item is not None:
+                new_tokens = sum(len(o["token_ids"]) for o in item["outputs"])
+                if new_tokens and first_token_time is None:
+                    first_token_time = time.perf_counter()
+                    metrics.INGRESS_TTFT.observe(first_token_time - start, tags)
+                num_tokens += new_tokens
+                for chunk in builder.chunks(item):
+                    yield chunk
+                try:
+                    item = await outputs.__anext__()
+                except StopAsyncIteration:
+                    item = None
+            usage = builder.usage_chunk()
+            if usage is not None:
+                yield usage
+            if first_token_time is not None and num_tokens > 1:
+                tpot = (time.perf_counter() - first_token_time) / (num_tokens - 1)
+                metrics.INGRESS_TPOT.observe(tpot, tags)
+        except Exception as e:
+            yield map_exception(e).to_dict()
+        finally:
+            metrics.TOKENS_GENERATED.inc(num_tokens, tags)
+            await outputs.aclose()  # a client that went away: cancels the replica's request
+
+    # ------------------------------------------------------------------ adapters
+
+    def check_adapter_path(self, lora_path: str) -> None:
+        """403 unless lora_path resolves (symlinks, `..`) inside an adapter root."""
+        if self.adapter_roots is None:
+            return
+        resolved = Path(lora_path).expanduser().resolve()
+        if not any(
+            resolved == root or resolved.is_relative_to(root) for root in self.adapter_roots
+        ):
+            raise APIError(
+                403,
+                f"lora_path {lora_path!r} is outside the allowed adapter roots.",
+                "permission_error",
+                "lora_path",
+                "forbidden_path",
+            )
+
+    async def load_adapter(self, req: LoadLoRAAdapterRequest) -> str:
+        base = await self.base_model()
+        name = req.lora_name
+        if name == base or name.startswith(f"{base}:"):
+            raise APIError(
+                400, f"lora_name {name!r} clashes with the base model name", param="lora_name"
+            )
+        self.check_adapter_path(req.lora_path)
+        existing = (await self.catalog(refresh=True)).get(name)
+        if existing is not None and existing.get("source") != req.lora_path:
+            raise APIError(
+                400,
+                f"The lora adapter '{name}' has already been loaded.",
+                param="lora_name",
+                code="adapter_exists",
+            )
+        try:
+            spec = await self.llm.load_adapter(name, req.lora_path)
+        except Exception as e:
+            raise map_exception(e) from None
+        if self.registry is not None:
+            await self.registry.register_adapter(name, spec)
+        self._catalog[name] = spec
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    async def unload_adapter(self, req: UnloadLoRAAdapterRequest) -> str:
+        removed = self.registry is not None and await self.registry.unregister_adapter(
+            req.lora_name
+        )
+        if not removed and self._catalog.pop(req.lora_name, None) is None:
+            raise APIError(
+                404,
+                f"The lora adapter '{req.lora_name}' cannot be found.",
+                param="lora_name",
+                code="model_not_found",
+            )
+        self._catalog.pop(req.lora_name, None)
+        # Replicas drop it from memory at their next catalog sync (report_interval_s).
+        return f"Success: LoRA adapter '{req.lora_name}' removed successfully."
