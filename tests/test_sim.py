@@ -30,6 +30,7 @@ def test_every_request_completes_within_the_slot_bound(policy):
     assert sum(res.per_replica_served) == SMALL.num_requests
     assert 0 < res.ttft_p50_ms <= res.ttft_p99_ms
     assert res.disk_loads_per_1k <= res.slot_loads_per_1k
+    assert 0 < res.top_slot_loads_per_1k < res.slot_loads_per_1k  # 16 of 60 adapters are "top"
 
 
 def test_same_seed_same_result_and_affinity_loads_less_than_p2c():
