@@ -26,7 +26,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from kernels import LoRABatchMeta, lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref  # noqa: E402
+from kernels import (  # noqa: E402
+    LoRABatchMeta,
+    SlotWeights,
+    lora_expand,
+    lora_expand_ref,
+    lora_linear,
+    lora_shrink,
+    lora_shrink_ref,
+)
 from kernels.torch_ops import (  # noqa: E402
     expand_strategy,
     lora_expand_torch,
@@ -221,6 +229,25 @@ def run_timings(args, device, dtype) -> None:
                         f"  {t_tri * 1e6:9.1f}us {t_torch / t_tri:7.2f}x {gbps / 1e9:6.1f} {frac}"
                     )
                 log(line)
+            # The engine's CPU path: shrink + expand fused, tokens ordered by slot as the model
+            # runner orders them (kernels/lora_linear.py), against the two ops above.
+            w = SlotWeights.zeros(num_adapters, rank, hidden_in, widths, device, dtype)
+            for dst, src in zip(w.lora_a + w.lora_b, lora_a + lora_b, strict=True):
+                dst.copy_(src)
+            sorted_slots, order = torch.sort(slots, stable=True)
+            fused = partial(
+                lora_linear,
+                x[order],
+                y[order],
+                w,
+                LoRABatchMeta.build(sorted_slots, num_adapters),
+                backend="torch",
+            )
+            t_fused = timer(fused, device, args.iters)
+            log(
+                f"{'linear':6s} {name:7s} {phase:7s} {num_tokens:5d} {num_adapters:3d} {rank:3d}"
+                f"  {t_fused * 1e6:9.1f}us(torch fused, tokens by slot)"
+            )
 
 
 def main() -> int:

@@ -32,6 +32,8 @@ from kernels.metadata import LoRABatchMeta
 from kernels.torch_ops import _sgmv_fits
 from kernels.utils import resolve_backend
 
+_CAT_MAX_ELEMENTS = 1 << 16  # deltas up to this size are concatenated before one add into y
+
 
 @dataclass
 class SlotWeights:
@@ -60,6 +62,7 @@ class SlotWeights:
         self.lora_a = [self.a[:, s * r : (s + 1) * r] for s in range(num_slices)]
         self.lora_b = [self.b_t[:, :, cols].mT for _, cols in self.slices()]
         # For the torch path: (columns of slice s in the shrink output, B^T of slice s).
+        self._cols = [cols for _, cols in self.slices()]
         self._parts = [
             (slice(s * r, (s + 1) * r), self.b_t[:, :, cols]) for s, cols in self.slices()
         ]
@@ -136,8 +139,16 @@ def lora_linear_torch(
     else:  # each slot's tokens padded into one row of [A, max_n]
         xs = x.index_select(0, meta.padded_token_ids.flatten()).view(num_active, max_n, hidden_in)
     buf = _bmm_active(w.a, xs.mT, meta, weights_left=True).mT  # [A, max_n, S * R]
+    # Small batches (decode): concatenate the slices' deltas and add once (fewest ops). Large
+    # ones (prefill): add each slice into its columns of y instead; a concatenated copy of
+    # megabytes lands on fresh pages every call and costs more than the bmm.
     if len(w._parts) == 1:
         delta = _bmm_active(w.b_t, buf, meta)  # [A, max_n, H_out]
+    elif uniform and num_lora * y.shape[1] > _CAT_MAX_ELEMENTS:
+        ys = (y if num_lora == y.shape[0] else y[:num_lora]).view(num_active, max_n, y.shape[1])
+        for (rs, b), cols in zip(w._parts, w._cols, strict=True):
+            ys[:, :, cols].add_(_bmm_active(b, buf[:, :, rs], meta).to(y.dtype))
+        return
     else:
         delta = torch.cat([_bmm_active(b, buf[:, :, rs], meta) for rs, b in w._parts], dim=2)
     if uniform:

@@ -29,6 +29,8 @@ def _slots(layout: str, gen: torch.Generator) -> torch.Tensor:
         # (slot, count): grouped by slot as the model runner orders them, base tokens last
         "sorted_uniform": [(0, 3), (2, 3), (4, 3)],
         "sorted_uniform_one_slot": [(1, 7)],
+        # 800 x 96 outputs: past _CAT_MAX_ELEMENTS, each slice is added into y on its own
+        "sorted_uniform_large": [(0, 400), (3, 400), (-1, 5)],
         "sorted_uneven": [(0, 2), (1, 1), (4, 3), (-1, 4)],
         "sorted_prefill_and_decode": [(0, 40), (2, 1), (3, 1), (-1, 2)],
     }
@@ -45,6 +47,7 @@ def _slots(layout: str, gen: torch.Generator) -> torch.Tensor:
 LAYOUTS = [
     "sorted_uniform",
     "sorted_uniform_one_slot",
+    "sorted_uniform_large",
     "sorted_uneven",
     "sorted_prefill_and_decode",
     "shuffled",
