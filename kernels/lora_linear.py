@@ -139,24 +139,30 @@ def lora_linear_torch(
     else:  # each slot's tokens padded into one row of [A, max_n]
         xs = x.index_select(0, meta.padded_token_ids.flatten()).view(num_active, max_n, hidden_in)
     buf = _bmm_active(w.a, xs.mT, meta, weights_left=True).mT  # [A, max_n, S * R]
-    # Small batches (decode): concatenate the slices' deltas and add once (fewest ops). Large
-    # ones (prefill): add each slice into its columns of y instead; a concatenated copy of
-    # megabytes lands on fresh pages every call and costs more than the bmm.
-    if len(w._parts) == 1:
-        delta = _bmm_active(w.b_t, buf, meta)  # [A, max_n, H_out]
-    elif uniform and num_lora * y.shape[1] > _CAT_MAX_ELEMENTS:
-        ys = (y if num_lora == y.shape[0] else y[:num_lora]).view(num_active, max_n, y.shape[1])
-        for (rs, b), cols in zip(w._parts, w._cols, strict=True):
-            ys[:, :, cols].add_(_bmm_active(b, buf[:, :, rs], meta).to(y.dtype))
-        return
-    else:
-        delta = torch.cat([_bmm_active(b, buf[:, :, rs], meta) for rs, b in w._parts], dim=2)
     if uniform:
         ys = y if num_lora == y.shape[0] else y[:num_lora]
-        ys.view(num_active, max_n, y.shape[1]).add_(delta.to(y.dtype))
+        _expand_add(ys.view(num_active, max_n, y.shape[1]), buf, w, meta)
         return
-    delta = delta.view(num_active * max_n, y.shape[1]).index_select(0, meta.padded_rows)
-    _add_rows(y, meta, slice(0, num_lora), delta)
+    delta = _expand(buf, w, meta).view(num_active * max_n, y.shape[1])
+    _add_rows(y, meta, slice(0, num_lora), delta.index_select(0, meta.padded_rows))
+
+
+def _expand(buf: torch.Tensor, w: SlotWeights, meta: LoRABatchMeta) -> torch.Tensor:
+    """[A, n, H_out]: each slice's rank columns of buf [A, n, S * R] times its B^T."""
+    if len(w._parts) == 1:
+        return _bmm_active(w.b_t, buf, meta)
+    return torch.cat([_bmm_active(b, buf[:, :, rs], meta) for rs, b in w._parts], dim=2)
+
+
+def _expand_add(ys: torch.Tensor, buf: torch.Tensor, w: SlotWeights, meta: LoRABatchMeta) -> None:
+    """ys [A, n, H_out] += _expand(buf). Small (decode): one add of the concatenated slices,
+    the fewest ops. Large (prefill): each slice into its own columns, because a concatenated
+    copy of megabytes lands on fresh pages every call and costs more than the bmm."""
+    if len(w._parts) == 1 or ys.numel() <= _CAT_MAX_ELEMENTS:
+        ys.add_(_expand(buf, w, meta).to(ys.dtype))
+        return
+    for (rs, b), cols in zip(w._parts, w._cols, strict=True):
+        ys[:, :, cols].add_(_bmm_active(b, buf[:, :, rs], meta).to(ys.dtype))
 
 
 def _bmm_active(
@@ -181,8 +187,16 @@ def _per_slot(x: torch.Tensor, y: torch.Tensor, w: SlotWeights, meta: LoRABatchM
         rows = slice(start, start + n)
         xs = x[rows] if meta.tokens_sorted else x.index_select(0, meta.lora_token_ids[rows])
         buf = (w.a[slot] @ xs.T).T  # [n, S * R]
-        delta = torch.cat([buf[:, rs] @ b[slot] for rs, b in w._parts], dim=1)
-        _add_rows(y, meta, rows, delta)
+        if meta.tokens_sorted:  # slice by slice into y's rows (see _expand_add)
+            ys = y[rows]
+            for (rs, b), cols in zip(w._parts, w._cols, strict=True):
+                ys[:, cols].add_((buf[:, rs] @ b[slot]).to(y.dtype))
+        else:
+            y.index_add_(
+                0,
+                meta.lora_token_ids[rows],
+                torch.cat([buf[:, rs] @ b[slot] for rs, b in w._parts], dim=1).to(y.dtype),
+            )
 
 
 def _add_rows(y: torch.Tensor, meta: LoRABatchMeta, rows: slice, delta: torch.Tensor) -> None:
