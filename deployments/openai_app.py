@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -102,27 +102,25 @@ def build_openai_app(serving: OpenAIServing) -> FastAPI:
         serving.check_api_key(request.headers.get("authorization"))
         return JSONResponse((await serving.list_models()).model_dump())
 
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(request: Request) -> Response:
+    async def adapter_op(
+        request: Request, op: str, model: type[BaseModel], call: Callable[[Any], Awaitable[str]]
+    ) -> Response:
         serving.check_api_key(request.headers.get("authorization"))
         status = "error"
         try:
-            message = await serving.load_adapter(await _parse(request, LoadLoRAAdapterRequest))
+            message = await call(await _parse(request, model))
             status = "ok"
             return Response(message, media_type="text/plain")
         finally:
-            metrics.ADAPTER_OPS.inc(tags={"op": "load", "status": status})
+            metrics.ADAPTER_OPS.inc(tags={"op": op, "status": status})
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        return await adapter_op(request, "load", LoadLoRAAdapterRequest, serving.load_adapter)
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> Response:
-        serving.check_api_key(request.headers.get("authorization"))
-        status = "error"
-        try:
-            message = await serving.unload_adapter(await _parse(request, UnloadLoRAAdapterRequest))
-            status = "ok"
-            return Response(message, media_type="text/plain")
-        finally:
-            metrics.ADAPTER_OPS.inc(tags={"op": "unload", "status": status})
+        return await adapter_op(request, "unload", UnloadLoRAAdapterRequest, serving.unload_adapter)
 
     @app.get("/health")
     async def health() -> Response:
