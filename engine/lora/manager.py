@@ -4,9 +4,10 @@ The scheduler decides which adapter sits in which slot (engine/scheduler.py Slot
 this manager owns the weights: the CPU cache of validated adapters and, per packed linear,
 the stacked slot tensors the kernels read (kernels.SlotWeights), for each slice s of the
 packed module (q/k/v, gate/up):
-    lora_a[s]: [max_loras, max_lora_rank, in_features]   (zero-padded past the adapter's rank;
-               a view of SlotWeights.a_t, where the slices' A^T sit side by side)
+    lora_a[s]: [max_loras, max_lora_rank, in_features]   (zero-padded past the adapter's rank)
     lora_b[s]: [max_loras, out_features_s, max_lora_rank] (scaling folded in)
+as views of SlotWeights.a (the slices' A stacked) and SlotWeights.b_t (their B^T side by
+side), the layouts the CPU path reads fastest.
 Modules an adapter does not target stay zero in its slot, so they contribute nothing.
 """
 
