@@ -15,8 +15,8 @@ The per-slice [L, R, H_in] and [L, H_out_s, R] views the Triton kernels take are
 
 When the tokens arrive grouped by slot (the model runner orders them so; see
 `LoRABatchMeta.tokens_sorted`), the torch path reads x and writes y through views instead of
-gathers and scatters: with equal token counts per slot (decode) a layer's LoRA is 1 + S bmm
-calls and S in-place adds.
+gathers and scatters: with equal token counts per slot (decode) a packed linear's LoRA is
+1 + S bmm calls and one in-place add.
 """
 
 from __future__ import annotations
