@@ -23,9 +23,10 @@ model: install
 adapters: model
 	$(BIN)/python scripts/train_demo_adapters.py
 
-# The main job: the OpenAI-compatible Serve app on http://127.0.0.1:8000 (default model + demo adapters)
+# The main job: the OpenAI-compatible Serve app on http://127.0.0.1:8000 (default model + demo adapters).
+# RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: the local Ray it starts listens on loopback only.
 serve: adapters
-	$(BIN)/serve run --name raylora serve_app:app
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/serve run --name raylora serve_app:app
 
 # Terminal demo: stream a chat answer from the engine, with and without a demo adapter
 demo: adapters

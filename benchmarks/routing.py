@@ -230,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.replicas} replicas x {args.max_loras} slots, CPU cache {args.max_cpu_loras}"
     )
 
+    # Loopback only (see tests/conftest.py); read when ray is imported.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
     from ray import serve
 

@@ -2,6 +2,11 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Single-machine Ray on loopback only. With clusters "enabled" (Linux's default) Ray resolves
+# even _node_ip_address="127.0.0.1" to the host's routable IP, and its GCS, raylets, workers and
+# agents listen there and on 0.0.0.0. Read when ray is imported, and inherited by every Ray
+# process and subprocess the tests start.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -54,9 +54,11 @@ def start_ray(port: int | None = None, namespace: str = "raylora-tests") -> dict
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p
     )
+    # Loopback only: conftest.py sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, without which Ray
+    # resolves _node_ip_address="127.0.0.1" to the host's IP (tests/test_loopback.py checks).
     ctx = ray.init(
         num_cpus=2, include_dashboard=False, namespace=namespace, _node_ip_address="127.0.0.1"
-    )  # listen on loopback only
+    )
     if port is None:
         serve.start(proxy_location="Disabled")
     else:

@@ -44,18 +44,12 @@ def with_actor_options(app, **ray_actor_options):
     return app
 
 
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as mp:
-        yield mp
-
-
 def add_worker(c):
     return c.add_node(node_ip_address=LOOPBACK, num_cpus=1, resources={"llm_slot": 1})
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, tiny_model_dir, monkeypatch_module):
+def cluster(tmp_path_factory, tiny_model_dir):
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
@@ -70,12 +64,8 @@ def cluster(tmp_path_factory, tiny_model_dir, monkeypatch_module):
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p
     )
-    # ray.init(address="127.0.0.1:port") rewrites a loopback address to the host's
-    # routable IP unless Ray thinks clusters are off; keep every process on loopback.
-    from ray._private import ray_constants
-
-    monkeypatch_module.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-    monkeypatch_module.setenv(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, "0")
+    # Every node on loopback: conftest.py sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, without
+    # which ray.init(address="127.0.0.1:port") rewrites loopback to the host's routable IP.
     c = Cluster(
         initialize_head=True,
         head_node_args={
