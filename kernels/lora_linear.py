@@ -59,13 +59,14 @@ class SlotWeights:
             f"b_t must be [L={num_slots}, R={r}, H_out={sum(self.widths)}], "
             f"got {tuple(self.b_t.shape)}"
         )
-        self.lora_a = [self.a[:, s * r : (s + 1) * r] for s in range(num_slices)]
-        self.lora_b = [self.b_t[:, :, cols].mT for _, cols in self.slices()]
-        # For the torch path: (columns of slice s in the shrink output, B^T of slice s).
-        self._cols = [cols for _, cols in self.slices()]
-        self._parts = [
-            (slice(s * r, (s + 1) * r), self.b_t[:, :, cols]) for s, cols in self.slices()
+        starts = [sum(self.widths[:s]) for s in range(num_slices)]
+        # Per slice: (its rank columns in the shrink output, its columns of y, its B^T view).
+        self._slices = [
+            (slice(s * r, (s + 1) * r), slice(c, c + w), self.b_t[:, :, c : c + w])
+            for s, (c, w) in enumerate(zip(starts, self.widths, strict=True))
         ]
+        self.lora_a = [self.a[:, rs] for rs, _, _ in self._slices]
+        self.lora_b = [b.mT for _, _, b in self._slices]
 
     @classmethod
     def zeros(
@@ -84,13 +85,6 @@ class SlotWeights:
     @property
     def rank(self) -> int:
         return self.b_t.shape[1]
-
-    def slices(self):
-        """(slice index, column slice of y) for each slice."""
-        start = 0
-        for s, width in enumerate(self.widths):
-            yield s, slice(start, start + width)
-            start += width
 
 
 def lora_linear(
@@ -149,19 +143,19 @@ def lora_linear_torch(
 
 def _expand(buf: torch.Tensor, w: SlotWeights, meta: LoRABatchMeta) -> torch.Tensor:
     """[A, n, H_out]: each slice's rank columns of buf [A, n, S * R] times its B^T."""
-    if len(w._parts) == 1:
+    if len(w._slices) == 1:
         return _bmm_active(w.b_t, buf, meta)
-    return torch.cat([_bmm_active(b, buf[:, :, rs], meta) for rs, b in w._parts], dim=2)
+    return torch.cat([_bmm_active(b, buf[:, :, rs], meta) for rs, _, b in w._slices], dim=2)
 
 
 def _expand_add(ys: torch.Tensor, buf: torch.Tensor, w: SlotWeights, meta: LoRABatchMeta) -> None:
     """ys [A, n, H_out] += _expand(buf). Small (decode): one add of the concatenated slices,
     the fewest ops. Large (prefill): each slice into its own columns, because a concatenated
     copy of megabytes lands on fresh pages every call and costs more than the bmm."""
-    if len(w._parts) == 1 or ys.numel() <= _CAT_MAX_ELEMENTS:
+    if len(w._slices) == 1 or ys.numel() <= _CAT_MAX_ELEMENTS:
         ys.add_(_expand(buf, w, meta).to(ys.dtype))
         return
-    for (rs, b), cols in zip(w._parts, w._cols, strict=True):
+    for rs, cols, b in w._slices:
         ys[:, :, cols].add_(_bmm_active(b, buf[:, :, rs], meta).to(ys.dtype))
 
 
@@ -189,14 +183,10 @@ def _per_slot(x: torch.Tensor, y: torch.Tensor, w: SlotWeights, meta: LoRABatchM
         buf = (w.a[slot] @ xs.T).T  # [n, S * R]
         if meta.tokens_sorted:  # slice by slice into y's rows (see _expand_add)
             ys = y[rows]
-            for (rs, b), cols in zip(w._parts, w._cols, strict=True):
+            for rs, cols, b in w._slices:
                 ys[:, cols].add_((buf[:, rs] @ b[slot]).to(y.dtype))
         else:
-            y.index_add_(
-                0,
-                meta.lora_token_ids[rows],
-                torch.cat([buf[:, rs] @ b[slot] for rs, b in w._parts], dim=1).to(y.dtype),
-            )
+            _add_rows(y, meta, rows, torch.cat([buf[:, rs] @ b[slot] for rs, _, b in w._slices], 1))
 
 
 def _add_rows(y: torch.Tensor, meta: LoRABatchMeta, rows: slice, delta: torch.Tensor) -> None:
