@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -78,10 +79,11 @@ class LoRABatchMeta:
         uniq, counts = torch.unique_consecutive(sorted_key, return_counts=True)
         starts = torch.cumsum(counts, 0) - counts
         in_order = (order == torch.arange(num_tokens, device=order.device)).all()
-        # One host sync for everything the launches need.
-        uniq_l, counts_l, starts_l, in_order_b = (
-            t.tolist() for t in (uniq, counts, starts, in_order)
-        )
+        # One host sync for everything the launches need: [uniq..., counts..., in_order].
+        host = torch.cat([uniq, counts, in_order.view(1).to(torch.int64)]).tolist()
+        num_groups = len(host) // 2
+        uniq_l, counts_l, in_order_b = host[:num_groups], host[num_groups:-1], host[-1]
+        starts_l = list(itertools.accumulate(counts_l, initial=0))[:-1]
         assert not uniq_l or uniq_l[0] >= 0, f"token_slots has slot {uniq_l[0]} < -1"
         if uniq_l and uniq_l[-1] == _NO_ADAPTER_KEY:  # drop the no-adapter group
             uniq_l, counts_l, starts_l = uniq_l[:-1], counts_l[:-1], starts_l[:-1]
