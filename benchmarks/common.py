@@ -26,6 +26,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from engine.attention import AttentionMetadata  # noqa: E402
+from engine.model_runner import order_by_slot  # noqa: E402
 from engine.models.llama import ForwardContext  # noqa: E402
 from kernels import LoRABatchMeta  # noqa: E402
 
@@ -254,7 +255,7 @@ def bare_decode_forward(engine) -> Callable[[], torch.Tensor]:
         (seq, sched.slots.slot_of[seq.lora_name] if seq.lora_name is not None else -1)
         for seq in sched.running
     ]
-    for seq, slot in sorted(tagged, key=lambda t: (t[1] < 0, t[1])):  # as order_by_slot
+    for seq, slot in order_by_slot(tagged):  # the order the runner gives the kernels
         p = seq.num_computed_tokens - 1  # the token the last step ran
         ids.append(seq.token_ids[p])
         positions.append(p)

@@ -1,6 +1,8 @@
 """ModelRunner: owns the model, the KV cache and the LoRA slots; runs one batched forward."""
 
 import logging
+from collections.abc import Iterable
+from typing import TypeVar
 
 import torch
 
@@ -11,10 +13,11 @@ from engine.lora.manager import LoRAManager
 from engine.models.llama import ForwardContext, LlamaForCausalLM, ModelArgs, rope_inv_freq
 from engine.models.loader import load_model_config, load_state_dict
 from engine.sampler import Sampler, SampleResult
-from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.scheduler import SchedulerOutput
 from kernels import LoRABatchMeta
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def pick_device(config: EngineConfig) -> torch.device:
@@ -29,15 +32,11 @@ def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def order_by_slot(out: SchedulerOutput) -> list[tuple[ScheduledSeq, int]]:
-    """The scheduled sequences with their LoRA slot (-1 = base model), adapter sequences first
-    in ascending slot order, base ones last; stable otherwise. The LoRA kernels then find each
-    slot's tokens as one run of rows (LoRABatchMeta.tokens_sorted), which the torch path reads
-    as views instead of gathering and scattering rows in every LoRA layer."""
-    tagged = [
-        (s, out.lora_slots[s.seq.lora_name] if s.seq.lora_name is not None else -1)
-        for s in out.scheduled
-    ]
+def order_by_slot(tagged: Iterable[tuple[T, int]]) -> list[tuple[T, int]]:
+    """(item, LoRA slot) pairs with the adapter ones first in ascending slot order and the base
+    ones (slot -1) last; stable otherwise. The LoRA kernels then find each slot's tokens as one
+    run of rows (LoRABatchMeta.tokens_sorted), which the torch path reads as views instead of
+    gathering and scattering rows in every LoRA layer."""
     return sorted(tagged, key=lambda t: (t[1] < 0, t[1]))
 
 
@@ -97,7 +96,11 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_seqs = []
         specs = []
-        for s, slot in order_by_slot(out):
+        tagged = [
+            (s, out.lora_slots[s.seq.lora_name] if s.seq.lora_name is not None else -1)
+            for s in out.scheduled
+        ]
+        for s, slot in order_by_slot(tagged):
             seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
             input_ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
