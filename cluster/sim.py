@@ -124,10 +124,14 @@ class SimResult:
     per_replica_served: list[int] = field(default_factory=list)
 
 
+def _zipf_weights(cfg: SimConfig) -> list[float]:
+    """Popularity of the adapter of each rank (1/k^s, unnormalised), most popular first."""
+    return [1.0 / (k**cfg.zipf_s) for k in range(1, cfg.num_adapters + 1)]
+
+
 def _workload(cfg: SimConfig):
     rng = random.Random(cfg.seed)
-    weights = [1.0 / (k**cfg.zipf_s) for k in range(1, cfg.num_adapters + 1)]
-    cum = list(itertools.accumulate(weights))
+    cum = list(itertools.accumulate(_zipf_weights(cfg)))
     total = cum[-1]
     rate = cfg.arrival_rate_per_ms()
     t = 0.0
@@ -160,7 +164,7 @@ def slot_load_floor(cfg: SimConfig) -> float:
     adapters; every other adapter request needs a load (a load can serve several queued
     requests for one adapter, which the bound ignores: rare outside the top adapters).
     """
-    weights = [1.0 / (k**cfg.zipf_s) for k in range(1, cfg.num_adapters + 1)]
+    weights = _zipf_weights(cfg)  # the workload's own law
     top = sum(weights[: cfg.num_replicas * cfg.max_loras])
     return 1000 * (1 - cfg.base_fraction) * (1 - top / sum(weights))
 
