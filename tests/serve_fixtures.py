@@ -38,6 +38,14 @@ def make_tiny_adapter(
     return Path(out)
 
 
+def make_tiny_adapters(model_dir: str | Path, root: Path, names) -> dict[str, Path]:
+    """One rank-4 q/v adapter per name under root, each with its own seed."""
+    return {
+        name: make_tiny_adapter(model_dir, root / name, 4, ["q_proj", "v_proj"], i)
+        for i, name in enumerate(names)
+    }
+
+
 def make_broken_adapter(out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     (out / "adapter_config.json").write_text(json.dumps({"r": "x", "peft_type": "LORA"}))

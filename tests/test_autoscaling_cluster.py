@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.serve_fixtures import make_tiny_adapter, start_ray, stop_ray
+from tests.serve_fixtures import make_tiny_adapters, start_ray, stop_ray
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -62,10 +62,7 @@ def llm(tmp_path_factory, tiny_model_dir):
     from deployments.llm_server import LLMServer
 
     root = tmp_path_factory.mktemp("adapters")
-    adapters = {
-        name: str(make_tiny_adapter(tiny_model_dir, root / name, 4, ["q_proj", "v_proj"], i))
-        for i, name in enumerate(ADAPTERS)
-    }
+    adapters = {n: str(p) for n, p in make_tiny_adapters(tiny_model_dir, root, ADAPTERS).items()}
     start_ray()  # loopback only; no HTTP proxy (the test uses a handle)
     try:
         deployment = serve.deployment(

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.serve_fixtures import REPO, make_tiny_adapter
+from tests.serve_fixtures import REPO, make_tiny_adapters
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -57,10 +57,7 @@ def cluster(tmp_path_factory, tiny_model_dir):
     import serve_app
 
     root = tmp_path_factory.mktemp("adapters")
-    adapters = {
-        name: make_tiny_adapter(tiny_model_dir, root / name, 4, ["q_proj", "v_proj"], i)
-        for i, name in enumerate(ADAPTERS)
-    }
+    adapters = make_tiny_adapters(tiny_model_dir, root, ADAPTERS)
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p
     )

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.serve_fixtures import make_tiny_adapter, replica_stats, start_ray, stop_ray
+from tests.serve_fixtures import make_tiny_adapters, replica_stats, start_ray, stop_ray
 
 pytestmark = [pytest.mark.slow]
 
@@ -70,10 +70,7 @@ def served(tmp_path_factory, tiny_model_dir):
     from deployments.registry import get_or_create_registry
 
     root = tmp_path_factory.mktemp("routing-adapters")
-    adapters = {
-        name: make_tiny_adapter(tiny_model_dir, root / name, 4, ["q_proj", "v_proj"], i)
-        for i, name in enumerate(ADAPTERS)
-    }
+    adapters = make_tiny_adapters(tiny_model_dir, root, ADAPTERS)
     start_ray(namespace="raylora-routing-tests")  # loopback only; no HTTP proxy
     try:
         # Created here (before the replicas get_or_create it) to shorten its staleness
