@@ -2,6 +2,7 @@
 
     python benchmarks/lora_overhead.py                      # default model, issue 3 workload
     python benchmarks/lora_overhead.py --model PATH --num-adapters 16 --rank 16 --batch 32
+    RAYLORA_CPU_KERNEL=0 python benchmarks/lora_overhead.py   # LoRA on torch ops only (no C++)
 
 Adapters: --num-adapters random PEFT LoRA adapters (rank --rank, every linear layer:
 q,k,v,o,gate,up,down; seeded; PEFT's zero lora_B replaced by random values), written to a
@@ -85,6 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
 def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
     from engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams
     from engine.models.loader import resolve_model
+    from kernels.cpu_kernel import cpu_lora_op
 
     n = args.num_adapters
     path = resolve_model(args.model)
@@ -109,7 +111,8 @@ def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
     log(f"machine: {machine()}")
     log(
         f"model: {path} ({engine.model_runner.args.num_layers} layers, fp32, {threads} threads, "
-        f"LoRA backend {engine.model_runner.lora_backend})"
+        f"LoRA backend {engine.model_runner.lora_backend}, C++ CPU kernel "
+        f"{'on' if cpu_lora_op() is not None else 'off'})"
     )
     log(f"adapters: {n} x rank {args.rank} on {','.join(ALL_LINEARS)} (max_loras {n})")
 

@@ -15,6 +15,7 @@ from engine.models.loader import load_model_config, load_state_dict
 from engine.sampler import Sampler, SampleResult
 from engine.scheduler import SchedulerOutput
 from kernels import LoRABatchMeta
+from kernels.cpu_kernel import cpu_lora_op
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -68,6 +69,8 @@ class ModelRunner:
             self.lora_manager = LoRAManager(
                 config.lora, spec, self.model.lora_linears(), self.device, self.dtype
             )
+            if backend == "torch" and self.device.type == "cpu" and self.dtype == torch.float32:
+                cpu_lora_op()  # build (first time on this machine) or load it now, not mid-step
 
     def _kv_bytes_per_block(self) -> int:
         a = self.args

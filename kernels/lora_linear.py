@@ -2,10 +2,13 @@
 
     w = SlotWeights.zeros(max_loras, max_rank, in_features, [576, 192, 192])
     lora_linear(x, y, w, meta)          # y: the base layer's output [T, sum(widths)]
+    y = linear_with_lora(x, weight, bias, w, meta)   # the base layer and its LoRA in one call
 
 Triton backend: `lora_shrink` then `lora_expand` (GPU, or CPU under TRITON_INTERPRET=1).
-Torch backend (the CPU path): one fused routine that reads every active adapter's weights
-once and launches few ops. Decode with many adapters is bound by reading the weights, and
+Torch backend (the CPU path): decode-shaped batches go to the C++ CPU kernel
+(kernels/cpu_kernel.py: one pass over each active adapter's weights, added straight into y)
+where it is built; everything else, and everything when it is not, to one fused routine of
+torch ops that reads every active adapter's weights once and launches few ops. Decode with many adapters is bound by reading the weights, and
 MKL's batched GEMM streams them about twice as fast in some layouts as in others (measured:
 benchmarks/lora_overhead.py, docs/benchmarks.md), so SlotWeights stores them for the CPU GEMM:
   - the A matrices of all slices stacked, [L, S * R, H_in]; the shrink is A @ x^T, one bmm for
@@ -16,16 +19,19 @@ The per-slice [L, R, H_in] and [L, H_out_s, R] views the Triton kernels take are
 When the tokens arrive grouped by slot (the model runner orders them so; see
 `LoRABatchMeta.tokens_sorted`), the torch path reads x and writes y through views instead of
 gathers and scatters: with equal token counts per slot (decode) a packed linear's LoRA is
-1 + S bmm calls and one in-place add.
+1 + S bmm calls and one in-place add. `linear_with_lora` saves that add too when every token
+has an adapter: the LoRA delta comes first and the base GEMM accumulates onto it (addmm).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
+from kernels.cpu_kernel import cpu_lora_op
 from kernels.lora_expand import lora_expand
 from kernels.lora_shrink import lora_shrink
 from kernels.metadata import LoRABatchMeta
@@ -33,6 +39,8 @@ from kernels.torch_ops import _sgmv_fits
 from kernels.utils import resolve_backend
 
 _CAT_MAX_ELEMENTS = 1 << 16  # deltas up to this size are concatenated before one add into y
+_FUSED_MAX_ELEMENTS = 1 << 18  # linear_with_lora: outputs up to this size take the addmm path
+_CPU_KERNEL_MAX_TOKENS = 16  # the C++ kernel takes batches with at most this many tokens a slot
 
 
 @dataclass
@@ -112,33 +120,94 @@ def lora_linear(
     lora_linear_torch(x, y, w, meta)
 
 
+def linear_with_lora(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    w: SlotWeights,
+    meta: LoRABatchMeta,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """F.linear(x, weight, bias) plus `lora_linear`'s per-token LoRA, returned as a new tensor.
+
+    On the torch path, when every token has an adapter and the tokens come in equal runs per
+    slot (a decode batch, ordered by the model runner), the delta is computed first and the
+    base GEMM accumulates onto it (addmm with beta=1): y is written once, with no add pass.
+    Otherwise (prefill-sized outputs, and batches the C++ CPU kernel takes, which adds into
+    y in the same pass that reads the weights) F.linear, then `lora_linear` adds into its output.
+    """
+    if (
+        meta.uniform
+        and meta.num_lora_tokens == meta.num_tokens > 0
+        and x.shape[0] * weight.shape[0] <= _FUSED_MAX_ELEMENTS
+        and x.dtype == w.a.dtype
+        and resolve_backend(backend, x) == "torch"
+        and _cpu_kernel(x, x, w, meta) is None
+    ):
+        delta = _uniform_delta(x, w, meta)
+        if bias is not None:
+            delta.add_(bias)
+        return delta.addmm_(x, weight.t())
+    y = F.linear(x, weight, bias)
+    lora_linear(x, y, w, meta, backend)
+    return y
+
+
 def lora_linear_torch(
     x: torch.Tensor, y: torch.Tensor, w: SlotWeights, meta: LoRABatchMeta
 ) -> None:
     """Torch path of `lora_linear` (arguments already checked)."""
     if meta.no_lora:
         return
-    x, hidden_in = x.to(w.a.dtype), x.shape[1]
-    num_active, max_n, num_lora = (
-        meta.num_active_slots,
-        meta.max_tokens_per_slot,
-        meta.num_lora_tokens,
-    )
-    uniform = meta.tokens_sorted and num_active * max_n == num_lora
-    if not uniform and not _sgmv_fits(meta):
+    op = _cpu_kernel(x, y, w, meta)
+    if op is not None:
+        op(x, w.a, w.b_t, meta.segments, w.widths, y)
+        return
+    x = x.to(w.a.dtype)
+    num_lora = meta.num_lora_tokens
+    num_active, max_n = meta.num_active_slots, meta.max_tokens_per_slot
+    if meta.uniform:  # equal runs of tokens per slot at the top of the batch: views, no copies
+        xs = (x if num_lora == x.shape[0] else x[:num_lora]).view(num_active, max_n, x.shape[1])
+        ys = y if num_lora == y.shape[0] else y[:num_lora]
+        _expand_add(ys.view(num_active, max_n, y.shape[1]), _shrink(xs, w, meta), w, meta)
+        return
+    if not _sgmv_fits(meta):
         _per_slot(x, y, w, meta)  # uneven segments (a long prefill next to decodes)
         return
-    if uniform:  # equal runs of tokens per slot at the top of the batch: views, no copies
-        xs = (x if num_lora == x.shape[0] else x[:num_lora]).view(num_active, max_n, hidden_in)
-    else:  # each slot's tokens padded into one row of [A, max_n]
-        xs = x.index_select(0, meta.padded_token_ids.flatten()).view(num_active, max_n, hidden_in)
-    buf = _bmm_active(w.a, xs.mT, meta, weights_left=True).mT  # [A, max_n, S * R]
-    if uniform:
-        ys = y if num_lora == y.shape[0] else y[:num_lora]
-        _expand_add(ys.view(num_active, max_n, y.shape[1]), buf, w, meta)
-        return
-    delta = _expand(buf, w, meta).view(num_active * max_n, y.shape[1])
+    # each slot's tokens padded into one row of [A, max_n]
+    xs = x.index_select(0, meta.padded_token_ids.flatten()).view(num_active, max_n, x.shape[1])
+    delta = _expand(_shrink(xs, w, meta), w, meta).view(num_active * max_n, y.shape[1])
     _add_rows(y, meta, slice(0, num_lora), delta.index_select(0, meta.padded_rows))
+
+
+def _cpu_kernel(
+    x: torch.Tensor, y: torch.Tensor, w: SlotWeights, meta: LoRABatchMeta
+) -> Callable[..., None] | None:
+    """The C++ CPU kernel's op if it is built and takes this batch: fp32 on the CPU, tokens
+    grouped by slot, few tokens a slot (decode), rows contiguous; else None."""
+    if not (
+        meta.tokens_sorted
+        and meta.max_tokens_per_slot <= _CPU_KERNEL_MAX_TOKENS
+        and x.device.type == "cpu"
+        and x.dtype == y.dtype == w.a.dtype == torch.float32
+        and x.stride(1) == 1
+        and y.stride(1) == 1
+    ):
+        return None
+    return cpu_lora_op()
+
+
+def _uniform_delta(x: torch.Tensor, w: SlotWeights, meta: LoRABatchMeta) -> torch.Tensor:
+    """[T, H_out] LoRA delta of x [T, H_in] whose rows are the adapter tokens in equal runs per
+    active slot (meta.uniform): views of x in, one contiguous tensor out."""
+    xs = x.view(meta.num_active_slots, meta.max_tokens_per_slot, x.shape[1])
+    return _expand(_shrink(xs, w, meta), w, meta).view(x.shape[0], -1)
+
+
+def _shrink(xs: torch.Tensor, w: SlotWeights, meta: LoRABatchMeta) -> torch.Tensor:
+    """[A, n, S * R]: xs [A, n, H_in] (active slot i's tokens in row i) times every slice's A^T,
+    computed as A @ xs^T, the weights as the left operand (see the module docstring)."""
+    return _bmm_active(w.a, xs.mT, meta, weights_left=True).mT
 
 
 def _expand(buf: torch.Tensor, w: SlotWeights, meta: LoRABatchMeta) -> torch.Tensor:

@@ -36,6 +36,9 @@ class LoRABatchMeta:
     # tokens first, ascending slot, then the no-adapter ones), as the model runner orders
     # them, so the torch path can use views of x and y instead of gathers and scatters.
     tokens_sorted: bool
+    # True when tokens_sorted and every active slot has max_tokens_per_slot tokens (decode):
+    # the adapter tokens are a [A, max_tokens_per_slot] grid of x's first rows.
+    uniform: bool
     num_tokens: int  # T
     num_lora_tokens: int  # tokens with slot >= 0 (the first ones of sorted_token_ids)
     # For the torch path (int64 because index_copy_/index_fill_ want it):
@@ -52,6 +55,9 @@ class LoRABatchMeta:
     # Runs of consecutive slot numbers among the active slots: (first slot, end slot, first
     # active index), so the torch path can slice the stacked weights instead of copying them.
     active_slot_runs: tuple[tuple[int, int, int], ...]
+    # int64 [3, A] on the host: each active slot, its first row in sorted order, its token count
+    # (the C++ CPU kernel's segment table, kernels/cpu_kernel.py).
+    segments: torch.Tensor
 
     @property
     def num_active_slots(self) -> int:
@@ -107,6 +113,7 @@ class LoRABatchMeta:
             max_tokens_per_slot=max_n,
             no_lora=num_active == 0,
             tokens_sorted=bool(in_order_b),
+            uniform=bool(in_order_b) and num_active * max_n == num_lora_tokens,
             num_tokens=num_tokens,
             num_lora_tokens=num_lora_tokens,
             lora_token_ids=order[:num_lora_tokens],
@@ -118,6 +125,9 @@ class LoRABatchMeta:
             slot_starts_list=tuple(starts_l),
             num_tokens_per_slot_list=tuple(counts_l),
             active_slot_runs=_runs(uniq_l),
+            segments=torch.tensor([uniq_l, starts_l, counts_l], dtype=torch.int64).view(
+                3, num_active
+            ),
         )
 
 

@@ -1,6 +1,8 @@
 """Multi-LoRA in the engine against PEFT: three adapter shapes plus base requests in one engine
 with max_loras=2, so adapters are deferred and swapped; greedy tokens equal PEFT's."""
 
+import importlib
+
 import pytest
 import torch
 from peft import PeftModel
@@ -95,17 +97,28 @@ def check_parity(model_dir, adapters, engine, max_tokens=10):
     return ours
 
 
-def test_three_adapters_two_slots_match_peft(tiny_model_dir, adapters, monkeypatch):
+@pytest.mark.parametrize("cpu_kernel", ["on", "off"])
+def test_three_adapters_two_slots_match_peft(tiny_model_dir, adapters, monkeypatch, cpu_kernel):
+    """Decode batches go to the C++ CPU kernel when it is on, to torch ops when it is off
+    (RAYLORA_CPU_KERNEL=0); prefill always to torch ops. Both must match PEFT."""
     import engine.models.llama as llama
 
+    monkeypatch.setenv("RAYLORA_CPU_KERNEL", "1" if cpu_kernel == "on" else "0")
+    lora_linear_mod = importlib.import_module("kernels.lora_linear")
+    op, op_calls = lora_linear_mod.cpu_lora_op(), []
+    assert (op is not None) == (cpu_kernel == "on")
+    if op is not None:
+        monkeypatch.setattr(
+            lora_linear_mod, "cpu_lora_op", lambda: lambda *a: op_calls.append(1) or op(*a)
+        )
     metas = []
-    real = llama.lora_linear
+    real = llama.linear_with_lora
 
-    def spy(x, y, w, meta, backend):
+    def spy(x, weight, bias, w, meta, backend):
         metas.append(meta)
-        return real(x, y, w, meta, backend=backend)
+        return real(x, weight, bias, w, meta, backend)
 
-    monkeypatch.setattr(llama, "lora_linear", spy)
+    monkeypatch.setattr(llama, "linear_with_lora", spy)
     engine = LLMEngine(
         EngineConfig(
             model=tiny_model_dir,
@@ -122,6 +135,7 @@ def test_three_adapters_two_slots_match_peft(tiny_model_dir, adapters, monkeypat
     # lets the torch path use views; the workload interleaves adapters and base requests.
     assert metas and all(m.tokens_sorted for m in metas)
     assert any(m.num_active_slots == 2 and m.num_lora_tokens < m.num_tokens for m in metas)
+    assert bool(op_calls) == (cpu_kernel == "on")
 
 
 @pytest.mark.timeout(600)

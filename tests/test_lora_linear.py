@@ -1,15 +1,54 @@
-"""lora_linear (shrink + expand of one packed linear, fused on the torch path) against the fp32
-references, on every layout its torch path distinguishes, and through Triton (interpreter)."""
+"""lora_linear (shrink + expand of one packed linear, fused on the torch path) and
+linear_with_lora (the base linear too) against the fp32 references, on every layout their torch
+path distinguishes, with the C++ CPU kernel on and off, and through Triton (interpreter)."""
 
+import importlib
 import zlib
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from kernels import LoRABatchMeta, SlotWeights, lora_expand_ref, lora_linear, lora_shrink_ref
+from kernels import (
+    LoRABatchMeta,
+    SlotWeights,
+    cpu_kernel,
+    linear_with_lora,
+    lora_expand_ref,
+    lora_linear,
+    lora_shrink_ref,
+)
+
+lora_linear_mod = importlib.import_module("kernels.lora_linear")  # `kernels.lora_linear` is the op
+
+# Layouts the C++ CPU kernel takes (grouped by slot, at most 16 tokens a slot); the others
+# (unsorted, or a long prefill segment) stay on torch ops.
+CPU_KERNEL_LAYOUTS = {"sorted_uniform", "sorted_uniform_one_slot", "sorted_uneven"}
+
+
+def cpu_kernel_mode(monkeypatch, mode: str) -> list | None:
+    """The torch path with the C++ CPU kernel on ("cpu_kernel": it must build here, g++ is on
+    every machine this runs on) or off ("torch_ops": RAYLORA_CPU_KERNEL=0). Returns the list
+    its op calls append to, or None when off."""
+    if mode == "torch_ops":
+        monkeypatch.setenv("RAYLORA_CPU_KERNEL", "0")
+        return None
+    assert mode == "cpu_kernel"
+    monkeypatch.delenv("RAYLORA_CPU_KERNEL", raising=False)
+    op = cpu_kernel.cpu_lora_op()
+    assert op is not None, "the C++ CPU kernel did not build (see the logged warning)"
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return op(*args)
+
+    monkeypatch.setattr(lora_linear_mod, "cpu_lora_op", lambda: counted)
+    return calls
+
 
 L, R = 6, 8  # slot 5 is never used: it holds NaN garbage
-WIDTHS = {"qkv": (64, [64, 16, 16]), "o": (64, [64]), "down": (96, [64])}
+WIDTHS = {"qkv": (64, [64, 16, 16]), "o": (64, [64]), "down": (96, [64]), "odd": (40, [24, 12])}
 
 
 def _weights(widths_key: str, dtype: torch.dtype, gen: torch.Generator) -> SlotWeights:
@@ -56,13 +95,16 @@ LAYOUTS = [
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("mode", ["cpu_kernel", "torch_ops", "triton"])
 @pytest.mark.parametrize("widths_key", sorted(WIDTHS))
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_lora_linear_matches_reference(monkeypatch, backend, widths_key, layout):
+def test_lora_linear_matches_reference(monkeypatch, mode, widths_key, layout):
+    calls, backend = None, "triton" if mode == "triton" else "torch"
     if backend == "triton":
         pytest.importorskip("triton")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        calls = cpu_kernel_mode(monkeypatch, mode)
     gen = torch.Generator().manual_seed(zlib.crc32(f"{widths_key}/{layout}".encode()))
     w = _weights(widths_key, torch.float32, gen)
     slots = _slots(layout, gen)
@@ -76,6 +118,60 @@ def test_lora_linear_matches_reference(monkeypatch, backend, widths_key, layout)
     lora_linear(x, y, w, meta, backend=backend)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(y[base_rows], y0[base_rows])  # base tokens untouched, bit for bit
+    if calls is not None:
+        assert len(calls) == (layout in CPU_KERNEL_LAYOUTS)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["cpu_kernel", "torch_ops"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("widths_key", sorted(WIDTHS))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_linear_with_lora_matches_reference(monkeypatch, mode, bias, widths_key, layout):
+    cpu_kernel_calls = cpu_kernel_mode(monkeypatch, mode)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{widths_key}/{layout}/{bias}".encode()))
+    w = _weights(widths_key, torch.float32, gen)
+    slots = _slots(layout, gen)
+    meta = LoRABatchMeta.build(slots, L)
+    x = torch.randn(len(slots), w.a.shape[2], generator=gen)
+    weight = torch.randn(sum(w.widths), w.a.shape[2], generator=gen)
+    b = torch.randn(sum(w.widths), generator=gen) if bias else None
+    base = F.linear(x, weight, b)
+    ref = lora_expand_ref(lora_shrink_ref(x, w.lora_a, slots), w.lora_b, slots, base.clone())
+    # Without the C++ kernel, a batch whose every token has an adapter, in equal runs per slot
+    # (decode), takes the addmm path, which never calls lora_linear; every other batch goes
+    # through lora_linear, and so does every batch the C++ kernel takes.
+    uniform_all = layout in ("sorted_uniform", "sorted_uniform_one_slot")
+    assert uniform_all == (meta.uniform and meta.num_lora_tokens == meta.num_tokens)
+    fused = uniform_all and cpu_kernel_calls is None
+    calls = []
+    real = lora_linear_mod.lora_linear
+    monkeypatch.setattr(lora_linear_mod, "lora_linear", lambda *a: calls.append(1) or real(*a))
+    y = linear_with_lora(x, weight, b, w, meta, backend="torch")
+    assert len(calls) == (0 if fused else 1)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    base_rows = (slots < 0).nonzero().flatten()
+    assert torch.equal(y[base_rows], base[base_rows])
+    if cpu_kernel_calls is not None:
+        assert len(cpu_kernel_calls) == (layout in CPU_KERNEL_LAYOUTS)
+
+
+def test_cpu_kernel_rejects_bad_arguments():
+    op = cpu_kernel.cpu_lora_op()
+    assert op is not None
+    w = SlotWeights.zeros(4, 2, 8, [8, 4])
+    x, y = torch.randn(3, 8), torch.zeros(3, 12)
+    segments = torch.tensor([[1], [0], [3]])
+    op(x, w.a, w.b_t, segments, w.widths, y)  # fine: zero weights add nothing
+    assert y.eq(0).all()
+    with pytest.raises(RuntimeError, match="segment 0 out of range"):
+        op(x, w.a, w.b_t, torch.tensor([[4], [0], [3]]), w.widths, y)  # slot 4 of 4
+    with pytest.raises(RuntimeError, match="segment 0 out of range"):
+        op(x, w.a, w.b_t, torch.tensor([[1], [1], [3]]), w.widths, y)  # rows 1..3 of 3
+    with pytest.raises(RuntimeError, match="float32"):
+        op(x.double(), w.a, w.b_t, segments, w.widths, y)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        op(x, w.a, w.b_t, segments, [8, 3], y[:, :11])
 
 
 def test_lora_linear_bf16_and_base_only():

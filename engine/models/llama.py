@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
-from kernels import LoRABatchMeta, SlotWeights, lora_linear
+from kernels import LoRABatchMeta, SlotWeights, linear_with_lora
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -105,11 +105,10 @@ class LoRALinear(nn.Module):
         self.lora: SlotWeights | None = None  # the max_loras slots, set by the LoRA manager
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
         meta = ctx.lora
-        if meta is not None and not meta.no_lora and self.lora is not None:
-            lora_linear(x, y, self.lora, meta, backend=ctx.lora_backend)
-        return y
+        if meta is None or meta.no_lora or self.lora is None:
+            return F.linear(x, self.weight, self.bias)
+        return linear_with_lora(x, self.weight, self.bias, self.lora, meta, ctx.lora_backend)
 
 
 class RMSNorm(nn.Module):

@@ -1,0 +1,96 @@
+"""The C++ CPU LoRA kernel (kernels/csrc/lora_cpu.cpp), built on first use with torch's
+cpp_extension (g++ and ninja) and cached on disk; None where it cannot be built.
+
+    op = cpu_lora_op()          # torch.ops.raylora_cpu.lora_add, or None
+    op(x, a, b_t, segments, widths, y)
+
+The torch path of `lora_linear` uses it for decode-shaped batches (few tokens per adapter),
+where reading every active adapter's weights is the whole cost and torch's batched GEMM reads
+the expand's weights at about half the memory bandwidth. Everything else stays on torch ops,
+and so does everything when the kernel is off:
+  RAYLORA_CPU_KERNEL=0   never build or use it (the pure torch path);
+  a failed build         logs one warning and falls back to the torch path.
+It is compiled with -march=native, so the cache folder's name carries a hash of the CPU's
+feature flags: machines sharing a home directory never load each other's build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "lora_cpu.cpp"
+_lock = threading.Lock()
+_state: dict[str, Callable[..., None] | None] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("RAYLORA_CPU_KERNEL", "1") != "0"
+
+
+def _cpu_tag() -> str:
+    try:
+        flags = next(
+            line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        flags = os.uname().machine
+    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+
+
+def _build() -> Callable[..., None]:
+    from torch.utils import cpp_extension
+
+    try:  # the ninja wheel's binary, for processes whose PATH lacks the venv's bin folder
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    name = f"raylora_cpu_{_cpu_tag()}"
+    try:  # only to say whether this is the slow first build
+        build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+        fresh = not any(build_dir.glob("*.so"))
+    except Exception:
+        fresh = True
+    if fresh:
+        log.warning("raylora: compiling the CPU LoRA kernel (once per machine, ~15 s)")
+    t0 = time.perf_counter()
+    cpp_extension.load(
+        name=name,
+        sources=[str(_SOURCE)],
+        # -fopenmp: at::parallel_for is an OpenMP loop in the header; without it, one thread
+        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
+    if fresh:
+        log.warning("raylora: CPU LoRA kernel built in %.1f s", time.perf_counter() - t0)
+    return torch.ops.raylora_cpu.lora_add
+
+
+def cpu_lora_op() -> Callable[..., None] | None:
+    """The kernel's op, built on the first call (thread-safe); None if off or unbuildable."""
+    if not enabled():
+        return None
+    if "op" not in _state:
+        with _lock:
+            if "op" not in _state:
+                try:
+                    _state["op"] = _build()
+                except Exception as e:  # no compiler, no headers, a failed build: torch path
+                    log.warning("raylora: CPU LoRA kernel unavailable, using torch ops: %s", e)
+                    _state["op"] = None
+    return _state["op"]

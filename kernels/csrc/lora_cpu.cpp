@@ -1,0 +1,129 @@
+// raylora's CPU LoRA kernel for decode-shaped batches: the shrink and the expand of one packed
+// linear in one pass over each active adapter's weights, added into the base layer's output.
+//
+//   y[t, cols_s] += (x[t] @ a[slot]^T)[rows_s] @ b_t[slot][:, cols_s]   for each slice s
+//
+// for every token t of every active slot (tokens grouped by slot: slot i owns rows
+// starts[i] .. starts[i] + counts[i] of x and y). Decode with many adapters is bound by reading
+// the adapters' weights; this reads each weight once, in address order, with the slot's few
+// tokens in registers, where torch's batched GEMM streams the expand's weights at about half
+// the memory bandwidth (docs/benchmarks.md). Built at run time by kernels/cpu_kernel.py.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));  // 16 floats: one AVX-512 register
+inline v16 load(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+inline float hsum(v16 v) { float s = 0; for (int k = 0; k < 16; ++k) s += v[k]; return s; }
+constexpr int kTok = 4;  // tokens per pass over a weight row
+
+// buf[t * SR + r] = dot(a_slot[r], x[t0 + t]) for the slot's n tokens and every row r.
+void shrink(const float* a_slot, int64_t SR, int64_t H, const float* x, int64_t x_stride,
+            int64_t t0, int64_t n, float* buf) {
+  for (int64_t tb = 0; tb < n; tb += kTok) {
+    const int nt = static_cast<int>(std::min<int64_t>(kTok, n - tb));
+    const float* xr[kTok];
+    for (int t = 0; t < nt; ++t) xr[t] = x + (t0 + tb + t) * x_stride;
+    for (int64_t r = 0; r < SR; ++r) {
+      const float* row = a_slot + r * H;
+      v16 acc[kTok] = {};
+      float tail[kTok] = {};
+      int64_t h = 0;
+      for (; h + 16 <= H; h += 16) {
+        const v16 w = load(row + h);
+        for (int t = 0; t < nt; ++t) acc[t] += w * load(xr[t] + h);
+      }
+      for (; h < H; ++h)
+        for (int t = 0; t < nt; ++t) tail[t] += row[h] * xr[t][h];
+      for (int t = 0; t < nt; ++t) buf[(tb + t) * SR + r] = hsum(acc[t]) + tail[t];
+    }
+  }
+}
+
+// y[t0 + t, offs[s]:offs[s+1]] += sum_r buf[t * SR + s * R + r] * bt_slot[r, offs[s]:offs[s+1]]
+void expand_add(const float* bt_slot, int64_t R, int64_t H_out, const std::vector<int64_t>& offs,
+                const float* buf, int64_t SR, float* y, int64_t y_stride, int64_t t0, int64_t n) {
+  const int64_t S = static_cast<int64_t>(offs.size()) - 1;
+  for (int64_t tb = 0; tb < n; tb += kTok) {
+    const int nt = static_cast<int>(std::min<int64_t>(kTok, n - tb));
+    float* yr[kTok];
+    for (int t = 0; t < nt; ++t) yr[t] = y + (t0 + tb + t) * y_stride;
+    for (int64_t r = 0; r < R; ++r) {
+      const float* row = bt_slot + r * H_out;
+      for (int64_t s = 0; s < S; ++s) {
+        float coef[kTok];
+        for (int t = 0; t < nt; ++t) coef[t] = buf[(tb + t) * SR + s * R + r];
+        int64_t c = offs[s];
+        for (; c + 16 <= offs[s + 1]; c += 16) {
+          const v16 w = load(row + c);
+          for (int t = 0; t < nt; ++t) store(yr[t] + c, load(yr[t] + c) + coef[t] * w);
+        }
+        for (; c < offs[s + 1]; ++c)
+          for (int t = 0; t < nt; ++t) yr[t][c] += coef[t] * row[c];
+      }
+    }
+  }
+}
+
+void lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b_t,
+              const at::Tensor& segments, at::IntArrayRef widths, at::Tensor& y) {
+  TORCH_CHECK(x.dtype() == at::kFloat && a.dtype() == at::kFloat && b_t.dtype() == at::kFloat &&
+                  y.dtype() == at::kFloat,
+              "raylora_cpu.lora_add: float32 tensors only");
+  TORCH_CHECK(x.device().is_cpu() && a.device().is_cpu() && b_t.device().is_cpu() &&
+                  y.device().is_cpu() && segments.device().is_cpu(),
+              "raylora_cpu.lora_add: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.stride(1) == 1 && y.stride(1) == 1,
+              "x and y must be [T, H] with contiguous rows");
+  TORCH_CHECK(a.dim() == 3 && b_t.dim() == 3 && a.is_contiguous() && b_t.is_contiguous(),
+              "a [L, S*R, H_in] and b_t [L, R, H_out] must be contiguous");
+  TORCH_CHECK(segments.dtype() == at::kLong && segments.dim() == 2 && segments.size(0) == 3 &&
+                  segments.is_contiguous(),
+              "segments must be int64 [3, A]: slot, first row, row count");
+  const int64_t L = a.size(0), SR = a.size(1), H = a.size(2), R = b_t.size(1),
+                H_out = b_t.size(2), S = static_cast<int64_t>(widths.size());
+  TORCH_CHECK(b_t.size(0) == L && S >= 1 && SR == S * R && x.size(1) == H && y.size(1) == H_out,
+              "shapes do not match: x ", x.sizes(), " a ", a.sizes(), " b_t ", b_t.sizes(),
+              " y ", y.sizes(), " slices ", S);
+  std::vector<int64_t> offs(S + 1, 0);
+  for (int64_t s = 0; s < S; ++s) offs[s + 1] = offs[s] + widths[s];
+  TORCH_CHECK(offs[S] == H_out, "slice widths must sum to H_out");
+  const int64_t A = segments.size(1);
+  const int64_t* slot = segments.data_ptr<int64_t>();
+  const int64_t* start = slot + A;
+  const int64_t* count = start + A;
+  for (int64_t i = 0; i < A; ++i)
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < L && start[i] >= 0 && count[i] >= 0 &&
+                    start[i] + count[i] <= std::min(x.size(0), y.size(0)),
+                "segment ", i, " out of range");
+  const float* xp = x.data_ptr<float>();
+  const float* ap = a.data_ptr<float>();
+  const float* bp = b_t.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // One slot per work item: its A rows, then its B^T rows, each read once in address order.
+  at::parallel_for(0, A, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf;
+    for (int64_t i = begin; i < end; ++i) {
+      if (count[i] == 0) continue;
+      buf.assign(count[i] * SR, 0.f);
+      shrink(ap + slot[i] * SR * H, SR, H, xp, x.stride(0), start[i], count[i], buf.data());
+      expand_add(bp + slot[i] * R * H_out, R, H_out, offs, buf.data(), SR, yp, y.stride(0),
+                 start[i], count[i]);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(raylora_cpu, m) {
+  m.def("lora_add(Tensor x, Tensor a, Tensor b_t, Tensor segments, int[] widths, Tensor(a!) y) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(raylora_cpu, CPU, m) { m.impl("lora_add", &lora_add); }
