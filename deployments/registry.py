@@ -4,7 +4,9 @@
 detached, restartable actor around it. The registry keeps no durable state: after a restart it
 is rebuilt from the replicas' periodic `report_residency` calls, whose `catalog` argument
 re-registers the adapters each replica knows. Routers read `snapshot()` in the background and
-never block on it.
+never block on it. The actor lives on the head node, with the GCS: a restart
+empties the catalog until the replicas' next reports, so losing an ordinary worker node must
+not restart it (the ingress would answer 404 for known adapters in between).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import ray
 REGISTRY_NAME = "raylora_adapter_registry"
 REGISTRY_NAMESPACE = "raylora"
 DEFAULT_STALE_AFTER_S = 20.0  # 4 missed reports at LLMServer's default report_interval_s (5 s)
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
 
 
 class RegistryState:
@@ -183,7 +186,18 @@ def get_or_create_registry(stale_after_s: float = DEFAULT_STALE_AFTER_S) -> ray.
         max_restarts=-1,
         max_task_retries=-1,
         num_cpus=0,
+        **_on_head_node(),
     ).remote(stale_after_s=stale_after_s)
+
+
+def _on_head_node() -> dict[str, Any]:
+    """Actor options that put the registry on the head node: a sliver of the head's marker
+    resource (a soft node affinity was seen to land it on a worker); none if no live node
+    carries the marker, so that the registry is never left unschedulable."""
+    for node in ray.nodes():
+        if node.get("Alive") and HEAD_NODE_RESOURCE in node.get("Resources", {}):
+            return {"resources": {HEAD_NODE_RESOURCE: 0.001}}
+    return {}
 
 
 def get_registry() -> ray.actor.ActorHandle:

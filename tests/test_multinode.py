@@ -146,6 +146,13 @@ def test_affinity_and_registry_across_nodes(cluster, client):
         time.sleep(0.5)
     assert reported == holders
     assert set(residency) == set(stats)
+    # ... and it lives on the head node, so losing a worker node never restarts it empty.
+    from deployments.registry import _on_head_node
+
+    head = cluster["cluster"].head_node.node_id
+    assert _on_head_node() == {"resources": {"node:__internal_head__": 0.001}}
+    registry_id = get_registry()._actor_id.hex()
+    assert ray._private.state.actors()[registry_id]["Address"]["NodeID"] == head
 
 
 def test_node_loss_loses_no_request(cluster, client):
