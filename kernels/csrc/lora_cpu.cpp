@@ -13,7 +13,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -109,12 +108,9 @@ void lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b_t,
   const float* bp = b_t.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   // One slot per work item: its A rows, then its B^T rows, each read once in address order.
-  // Threads take the next slot from a shared counter rather than a fixed half each: on shared
-  // cores one thread is often slowed, and the op waits for the slowest.
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, A, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
-    for (int64_t i = next++; i < A; i = next++) {
+    for (int64_t i = begin; i < end; ++i) {
       if (count[i] == 0) continue;
       buf.assign(count[i] * SR, 0.f);
       shrink(ap + slot[i] * SR * H, SR, H, xp, x.stride(0), start[i], count[i], buf.data());
