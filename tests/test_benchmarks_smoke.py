@@ -1,10 +1,10 @@
-"""Smoke run of benchmarks/engine_throughput.py and benchmarks/lora_overhead.py on the tiny
+"""Smoke run of benchmarks/engine_throughput.py, lora_overhead.py and cpu_lora_step.py on the tiny
 model with tiny sizes: the scripts run end to end and print sane figures (not the targets;
 those need the default model, see docs/benchmarks.md)."""
 
 import pytest
 
-from benchmarks import engine_throughput, lora_overhead
+from benchmarks import cpu_lora_step, engine_throughput, lora_overhead
 
 pytest.importorskip("peft")
 
@@ -63,3 +63,11 @@ def test_lora_overhead_smoke(tiny_model_dir, tmp_path, capsys):
     assert len(list(tmp_path.glob("bench-lora-*/adapter_model.safetensors"))) == 3
     out = capsys.readouterr().out
     assert "ratio LoRA / base (engine step)" in out and "ratio raylora / HF PEFT" in out
+
+
+def test_cpu_lora_step_smoke(tiny_model_dir, capsys):
+    r = cpu_lora_step.main(
+        ["--model", tiny_model_dir, "--num-adapters", "3", "--rank", "4", "--repeats", "2"]
+    )
+    assert r["sum"] > 0 and r["kernel"] > 0 and r["torch"] > 0
+    assert "kernel / sum" in capsys.readouterr().out
