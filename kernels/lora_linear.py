@@ -8,9 +8,10 @@ Triton backend: `lora_shrink` then `lora_expand` (GPU, or CPU under TRITON_INTER
 Torch backend (the CPU path): decode-shaped batches go to the C++ CPU kernel
 (kernels/cpu_kernel.py: one pass over each active adapter's weights, added straight into y)
 where it is built; everything else, and everything when it is not, to one fused routine of
-torch ops that reads every active adapter's weights once and launches few ops. Decode with many adapters is bound by reading the weights, and
-MKL's batched GEMM streams them about twice as fast in some layouts as in others (measured:
-benchmarks/lora_overhead.py, docs/benchmarks.md), so SlotWeights stores them for the CPU GEMM:
+torch ops that reads every active adapter's weights once and launches few ops. Decode with
+many adapters is bound by reading the weights, and MKL's batched GEMM streams them about
+twice as fast in some layouts as in others (measured: benchmarks/lora_overhead.py,
+docs/benchmarks.md), so SlotWeights stores them for the CPU GEMM:
   - the A matrices of all slices stacked, [L, S * R, H_in]; the shrink is A @ x^T, one bmm for
     every slice (the weight as the row-major left operand, the few tokens as the right one);
   - the B matrices transposed and side by side, [L, R, H_out]; the expand is buf @ B^T[cols].
@@ -142,7 +143,7 @@ def linear_with_lora(
         and x.shape[0] * weight.shape[0] <= _FUSED_MAX_ELEMENTS
         and x.dtype == w.a.dtype
         and resolve_backend(backend, x) == "torch"
-        and _cpu_kernel(x, x, w, meta) is None
+        and _cpu_kernel(x, x, w, meta) is None  # x stands in for y: F.linear's y is like it
     ):
         delta = _uniform_delta(x, w, meta)
         if bias is not None:
