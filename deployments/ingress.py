@@ -95,6 +95,9 @@ class ActorRegistry:
     async def list_adapters(self) -> dict[str, dict]:
         return await self._actor.list_adapters.remote()
 
+    async def recovering(self) -> bool:
+        return await self._actor.recovering.remote()
+
     async def register_adapter(self, name: str, spec: dict) -> None:
         await self._actor.register_adapter.remote(
             name, spec["source"], spec["rank"], spec["target_modules"], spec["base_model"]

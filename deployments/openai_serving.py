@@ -30,6 +30,8 @@ from deployments.protocol import (
 from deployments.responses import ChunkBuilder, build_chat_response, build_completion_response
 
 CATALOG_TTL_S = 2.0
+RECOVERY_WAIT_S = 30.0  # longest a request waits on a restarted registry for its adapter
+RECOVERY_POLL_S = 0.5
 
 
 class LLMBackend(Protocol):
@@ -45,6 +47,7 @@ class RegistryBackend(Protocol):
     async def list_adapters(self) -> dict[str, dict]: ...
     async def register_adapter(self, name: str, spec: dict) -> None: ...
     async def unregister_adapter(self, name: str) -> bool: ...
+    async def recovering(self) -> bool: ...  # restarted, catalog not yet rebuilt by reports
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -123,16 +126,34 @@ class OpenAIServing:
         base = await self.base_model()
         if model == base:
             return ""
-        for refresh in (False, True):
+        refresh, deadline = False, time.monotonic() + RECOVERY_WAIT_S
+        while True:
             catalog = await self.catalog(refresh=refresh)
             if model in catalog:
                 return model
             prefix, sep, adapter = model.partition(":")
             if sep and prefix == base and adapter in catalog:
                 return adapter
+            if refresh:  # a fresh listing without it: 404, unless the registry is recovering
+                if time.monotonic() > deadline or not await self._registry_recovering():
+                    break
+                await asyncio.sleep(RECOVERY_POLL_S)
+            refresh = True
         raise APIError(
             404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
         )
+
+    async def _registry_recovering(self) -> bool:
+        """Whether the registry restarted and has not heard from a replica yet: its empty or
+        partial catalog then says nothing about what the replicas serve (see
+        AdapterRegistry.recovering), so a request waits for the first report, not a 404."""
+        recovering = getattr(self.registry, "recovering", None)
+        if recovering is None:
+            return False
+        try:
+            return bool(await asyncio.wait_for(recovering(), 5.0))
+        except Exception:
+            return False
 
     async def list_models(self) -> ModelList:
         base = await self.base_model()

@@ -6,7 +6,8 @@ is rebuilt from the replicas' periodic `report_residency` calls, whose `catalog`
 re-registers the adapters each replica knows. Routers read `snapshot()` in the background and
 never block on it. The actor lives on the head node, with the GCS: a restart
 empties the catalog until the replicas' next reports, so losing an ordinary worker node must
-not restart it (the ingress would answer 404 for known adapters in between).
+not restart it. When it does restart, `recovering()` is True until the first report, and the
+ingress holds a request for an adapter it cannot find instead of answering 404.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ class RegistryState:
         self.version = 0
         self.adapters: dict[str, dict[str, Any]] = {}  # name -> spec
         self.residency: dict[str, dict[str, Any]] = {}  # replica id -> {slots, cpu, last_report}
+        self._started = clock()
+        self._heard_a_replica = False
         # Names unregistered since this process started: a replica's catalog report
         # must not bring them back (a report may race with the unload).
         self._unregistered: set[str] = set()
@@ -91,6 +94,7 @@ class RegistryState:
                 spec.get("target_modules", []),
                 spec.get("base_model", ""),
             )
+        self._heard_a_replica = True
         slots, cpu = sorted(set(adapters_in_slots)), sorted(set(adapters_in_cpu))
         old = self.residency.get(replica_id)
         if old is None or old["slots"] != slots or old["cpu"] != cpu:
@@ -114,6 +118,12 @@ class RegistryState:
         for replica_id in gone:
             self.remove_replica(replica_id)
         return gone
+
+    def recovering(self) -> bool:
+        """True while this registry is new and has heard from no replica: its catalog may be
+        missing adapters the replicas know (a restart loses it; the next reports restore it).
+        Ends at the first report, or stale_after_s after the start (an app with no replicas)."""
+        return not self._heard_a_replica and self._clock() - self._started < self.stale_after_s
 
     def replicas_holding(self, name: str) -> list[str]:
         return sorted(
@@ -153,6 +163,9 @@ class AdapterRegistry:
 
     def list_adapters(self) -> dict[str, dict]:
         return self._state.list_adapters()
+
+    def recovering(self) -> bool:
+        return self._state.recovering()
 
     def report_residency(
         self,

@@ -145,6 +145,46 @@ def test_model_names_resolve_to_base_or_adapter(env):
         assert err["code"] == "model_not_found" and err["param"] == "model"
 
 
+class RecoveringRegistry(FakeRegistry):
+    """A restarted registry: empty and `recovering` until the first replica report, which
+    arrives `report_after` list calls later (or never) and restores the catalog."""
+
+    def __init__(self, catalog: dict[str, dict], report_after: int | None) -> None:
+        super().__init__({})
+        self.catalog, self.report_after, self.calls = catalog, report_after, 0
+
+    async def list_adapters(self) -> dict[str, dict]:
+        self.calls += 1
+        if self.report_after is not None and self.calls > self.report_after:
+            self.adapters.update(self.catalog)
+        return await super().list_adapters()
+
+    async def recovering(self) -> bool:
+        return not self.adapters
+
+
+def test_request_waits_for_a_recovering_registry(monkeypatch):
+    import deployments.openai_serving as serving_mod
+
+    monkeypatch.setattr(serving_mod, "RECOVERY_POLL_S", 0.01)
+    spec = {"sql": {"source": "/adapters/sql", "rank": 8}}
+    llm = FakeLLM()
+    # Restored on the 4th listing: the request waits through the gap instead of a 404.
+    registry = RecoveringRegistry(spec, report_after=3)
+    client = TestClient(build_openai_app(OpenAIServing(llm, registry)))
+    r = client.post("/v1/completions", json={"model": "sql", "prompt": "hi"})
+    assert r.status_code == 200, r.text
+    assert llm.requests[-1][1] == "sql" and registry.calls == 4
+    # An adapter the restored catalog lacks: 404 once the registry has recovered.
+    assert_error(client.post("/v1/completions", json={"model": "nope", "prompt": "x"}), 404)
+    # A registry that never recovers: 404 after RECOVERY_WAIT_S, not a hang.
+    monkeypatch.setattr(serving_mod, "RECOVERY_WAIT_S", 0.2)
+    stuck = RecoveringRegistry(spec, report_after=None)
+    client = TestClient(build_openai_app(OpenAIServing(FakeLLM(), stuck)))
+    assert_error(client.post("/v1/completions", json={"model": "sql", "prompt": "x"}), 404)
+    assert stuck.calls > 3
+
+
 def test_models_list_base_and_adapters_with_parent(env):
     client, *_ = env
     data = client.get("/v1/models").json()

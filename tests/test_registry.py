@@ -31,6 +31,20 @@ def test_catalog_register_unregister_list():
         s.register_adapter("b", "/ad/b", 0, [], "m")
 
 
+def test_recovering_until_the_first_report_or_stale_after():
+    clock = Clock()
+    s = RegistryState(stale_after_s=20.0, clock=clock)
+    assert s.recovering()  # new: the catalog may lack what the replicas know
+    s.register_adapter("a", **SPEC)  # an API registration is not a replica's report
+    assert s.recovering()
+    clock.t += 1
+    s.report_residency("r1", [], ["a"], {"b": SPEC})
+    assert not s.recovering() and set(s.list_adapters()) == {"a", "b"}
+    quiet = RegistryState(stale_after_s=20.0, clock=clock)
+    clock.t += 20.5  # no replica reported within stale_after_s: an app with none
+    assert not quiet.recovering()
+
+
 def test_residency_reports_replace_and_version_tracks_content():
     clock = Clock()
     s = RegistryState(clock=clock)
