@@ -1,8 +1,11 @@
 """Real PEFT adapters for tests (random, non-zero B: PEFT initialises B to zero)."""
 
+import importlib
 from pathlib import Path
 
 import torch
+
+from kernels import cpu_kernel
 
 # The three shapes the multi-LoRA acceptance asks for.
 ADAPTER_SPECS = {
@@ -59,3 +62,28 @@ def make_adapter_set(model_dir: str, root: Path, std: float = 0.2) -> dict[str, 
         name: make_peft_adapter(model_dir, root / name, seed=i, std=std, **spec)
         for i, (name, spec) in enumerate(ADAPTER_SPECS.items())
     }
+
+
+def cpu_kernel_mode(monkeypatch, mode: str) -> list | None:
+    """The torch path with the C++ CPU kernel on ("cpu_kernel": it must build here, g++ is on
+    every machine this runs on) or off ("torch_ops": RAYLORA_CPU_KERNEL=0). Returns the list
+    its op calls append to, or None when off."""
+    if mode == "torch_ops":
+        monkeypatch.setenv("RAYLORA_CPU_KERNEL", "0")
+        assert cpu_kernel.cpu_lora_op() is None
+        return None
+    assert mode == "cpu_kernel"
+    monkeypatch.delenv("RAYLORA_CPU_KERNEL", raising=False)
+    op = cpu_kernel.cpu_lora_op()
+    assert op is not None, "the C++ CPU kernel did not build (see the logged warning)"
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return op(*args)
+
+    # `kernels.lora_linear` is also the name of the op, hence import_module for the module
+    monkeypatch.setattr(
+        importlib.import_module("kernels.lora_linear"), "cpu_lora_op", lambda: counted
+    )
+    return calls

@@ -1,8 +1,6 @@
 """Multi-LoRA in the engine against PEFT: three adapter shapes plus base requests in one engine
 with max_loras=2, so adapters are deferred and swapped; greedy tokens equal PEFT's."""
 
-import importlib
-
 import pytest
 import torch
 from peft import PeftModel
@@ -10,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams
 from engine.lora import errors
-from tests.lora_fixtures import make_adapter_set
+from tests.lora_fixtures import cpu_kernel_mode, make_adapter_set
 from tests.reference import assert_greedy_match, hf_greedy
 
 PROMPTS = [
@@ -103,14 +101,7 @@ def test_three_adapters_two_slots_match_peft(tiny_model_dir, adapters, monkeypat
     (RAYLORA_CPU_KERNEL=0); prefill always to torch ops. Both must match PEFT."""
     import engine.models.llama as llama
 
-    monkeypatch.setenv("RAYLORA_CPU_KERNEL", "1" if cpu_kernel == "on" else "0")
-    lora_linear_mod = importlib.import_module("kernels.lora_linear")
-    op, op_calls = lora_linear_mod.cpu_lora_op(), []
-    assert (op is not None) == (cpu_kernel == "on")
-    if op is not None:
-        monkeypatch.setattr(
-            lora_linear_mod, "cpu_lora_op", lambda: lambda *a: op_calls.append(1) or op(*a)
-        )
+    op_calls = cpu_kernel_mode(monkeypatch, "cpu_kernel" if cpu_kernel == "on" else "torch_ops")
     metas = []
     real = llama.linear_with_lora
 

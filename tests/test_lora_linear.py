@@ -18,33 +18,13 @@ from kernels import (
     lora_linear,
     lora_shrink_ref,
 )
+from tests.lora_fixtures import cpu_kernel_mode
 
 lora_linear_mod = importlib.import_module("kernels.lora_linear")  # `kernels.lora_linear` is the op
 
 # Layouts the C++ CPU kernel takes (grouped by slot, at most 16 tokens a slot); the others
 # (unsorted, or a long prefill segment) stay on torch ops.
 CPU_KERNEL_LAYOUTS = {"sorted_uniform", "sorted_uniform_one_slot", "sorted_uneven"}
-
-
-def cpu_kernel_mode(monkeypatch, mode: str) -> list | None:
-    """The torch path with the C++ CPU kernel on ("cpu_kernel": it must build here, g++ is on
-    every machine this runs on) or off ("torch_ops": RAYLORA_CPU_KERNEL=0). Returns the list
-    its op calls append to, or None when off."""
-    if mode == "torch_ops":
-        monkeypatch.setenv("RAYLORA_CPU_KERNEL", "0")
-        return None
-    assert mode == "cpu_kernel"
-    monkeypatch.delenv("RAYLORA_CPU_KERNEL", raising=False)
-    op = cpu_kernel.cpu_lora_op()
-    assert op is not None, "the C++ CPU kernel did not build (see the logged warning)"
-    calls = []
-
-    def counted(*args):
-        calls.append(1)
-        return op(*args)
-
-    monkeypatch.setattr(lora_linear_mod, "cpu_lora_op", lambda: counted)
-    return calls
 
 
 L, R = 6, 8  # slot 5 is never used: it holds NaN garbage
