@@ -161,6 +161,7 @@ def run_hf(
         for row, p in enumerate(prompts):
             input_ids[row, width - len(p) :] = torch.tensor(p)
             mask[row, width - len(p) :] = 1
+        input_ids, mask = input_ids.to(model.device), mask.to(model.device)
         extra = (
             {} if adapter_names is None else {"adapter_names": adapter_names[b : b + batch_size]}
         )
@@ -181,11 +182,20 @@ def run_hf(
     return RunResult(sum(len(t) for t in ids), seconds, ids)
 
 
-def load_hf_model(path: str | Path):
+def load_hf_model(
+    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+):
+    """The HF peer, on the device and in the dtype raylora's engine runs (fp32 on CPU)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    return model.eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    return model.to(device).eval()
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a wall-clock timer covers it (CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def num_matching(a: list[list[int]], b: list[list[int]]) -> tuple[int, float]:
@@ -244,11 +254,12 @@ def all_decoding(engine) -> bool:
     )
 
 
-def bare_decode_forward(engine) -> Callable[[], torch.Tensor]:
+def bare_decode_forward(engine, synced: bool = True) -> Callable[[], torch.Tensor]:
     """The forward the engine's last (pure decode) step ran, prepared ahead: the same
     LlamaForCausalLM, the same sequences, positions, block tables and LoRA slots, built once so
     that calling it is the model alone (no scheduler, input building, sampler or detokenizer).
-    Re-running it rewrites the KV entries of the last step with the same values."""
+    Re-running it rewrites the KV entries of the last step with the same values. synced: wait
+    for the device at the end (CUDA), so that a wall-clock timer covers the forward."""
     runner, sched = engine.model_runner, engine.scheduler
     ids, positions, specs, slots = [], [], [], []
     tagged = [
@@ -279,9 +290,41 @@ def bare_decode_forward(engine) -> Callable[[], torch.Tensor]:
 
     def forward() -> torch.Tensor:
         with torch.inference_mode():
-            return runner.model(*args)
+            out = runner.model(*args)
+        if synced:
+            sync(dev)
+        return out
 
     return forward
+
+
+def graphed_forward_ratio(engines: dict[str, object], iters: int = 50) -> dict[str, float]:
+    """CUDA only, a probe of what CUDA graphs would give (the engine runs eager): each engine's
+    bare decode forward (bare_decode_forward, same batch as its last step) captured in a
+    torch.cuda.CUDAGraph, then the graphs replayed in turn, `iters` times each; median replay
+    time per engine in seconds. The engines must be in steady-state decode."""
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    graphs = {}
+    for kind, engine in engines.items():
+        fwd = bare_decode_forward(engine, synced=False)  # no sync inside a capture
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):  # warm-up off the capture stream, as torch.cuda.graph asks
+                fwd()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph):
+            fwd()
+        graphs[kind] = graph
+    for _ in range(iters):
+        for kind, graph in graphs.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            graph.replay()
+            torch.cuda.synchronize()
+            times[kind].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 @dataclass

@@ -77,11 +77,13 @@ def main(argv: list[str] | None = None) -> dict:
     )
     pad_id = engine.tokenizer.pad_token_id
     pad_id = pad_id if pad_id is not None else engine.tokenizer.eos_token_id
-    hf = load_hf_model(path)
+    runner = engine.model_runner
+    hf = load_hf_model(path, runner.device, runner.dtype)
     log(f"machine: {machine()}")
     log(
         f"model: {path} ({engine.model_runner.args.num_layers} layers, "
-        f"hidden {engine.model_runner.args.hidden_size}, fp32, {threads} threads)"
+        f"hidden {runner.args.hidden_size}, {runner.device.type} {str(runner.dtype)[6:]}, "
+        f"{threads} threads)"
     )
     log(
         f"workload: {args.num_requests} requests, prompts {args.prompt_len[0]}-"

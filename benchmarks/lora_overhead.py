@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
     ALL_LINEARS,
     finish_all,
+    graphed_forward_ratio,
     load_hf_model,
     log,
     machine,
@@ -109,10 +110,12 @@ def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
         args.num_requests, tuple(args.prompt_len), tuple(args.output_len), low, high, args.seed
     )
     log(f"machine: {machine()}")
+    runner = engine.model_runner
+    cpp = "on" if runner.device.type == "cpu" and cpu_lora_op() is not None else "off"
     log(
-        f"model: {path} ({engine.model_runner.args.num_layers} layers, fp32, {threads} threads, "
-        f"LoRA backend {engine.model_runner.lora_backend}, C++ CPU kernel "
-        f"{'on' if cpu_lora_op() is not None else 'off'})"
+        f"model: {path} ({runner.args.num_layers} layers, {runner.device.type} "
+        f"{str(runner.dtype)[6:]}, {threads} threads, LoRA backend {runner.lora_backend}, "
+        f"C++ CPU kernel {cpp})"
     )
     log(f"adapters: {n} x rank {args.rank} on {','.join(ALL_LINEARS)} (max_loras {n})")
 
@@ -129,12 +132,18 @@ def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
     timing: dict[str, dict[str, list[float]]] = {
         k: {"step": [], "fwd": []} for k in ("base", "lora")
     }
+    graphed: dict[str, float] = {}
     for r in range(args.rounds):
         for kind, eng in engines.items():
             for i, prompt in enumerate(prompts):
                 lora = loras[i // per] if kind == "lora" else None
                 eng.add_request(f"{kind}{r}-{i}", {"prompt_token_ids": prompt}, params, lora)
         paired = time_paired_decode_steps(engines, args.steps, desc=f"round {r} paired decode")
+        if r == 0 and runner.device.type == "cuda":
+            try:
+                graphed = graphed_forward_ratio(engines)
+            except Exception as exc:  # a probe only: report, go on
+                log(f"CUDA graph probe failed: {type(exc).__name__}: {exc}")
         for kind, eng in engines.items():
             finish_all(eng)
             timing[kind]["step"] += paired[kind].step_s
@@ -163,6 +172,12 @@ def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
         f"{verdict(step_ratio, STEP_TARGET, False)}"
     )
     log(f"ratio LoRA / base (bare forward): {fwd_ratio:.3f}x")
+    if graphed:  # a probe (CUDA only): the engine itself runs eager
+        log(
+            f"bare forward as a CUDA graph (replay, not what the engine runs): base "
+            f"{graphed['base'] * 1e3:.3f} ms, LoRA {graphed['lora'] * 1e3:.3f} ms, ratio "
+            f"{graphed['lora'] / graphed['base']:.3f}x"
+        )
     pairs = zip(timing["lora"]["step"], timing["base"]["step"], strict=True)
     spread = sorted(a / b for a, b in pairs)
     log(
@@ -186,7 +201,8 @@ def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
     pad_id = engine.tokenizer.pad_token_id
     pad_id = pad_id if pad_id is not None else engine.tokenizer.eos_token_id
     del engine
-    pm = PeftModel.from_pretrained(load_hf_model(path), str(paths[0]), adapter_name=names[0])
+    hf = load_hf_model(path, runner.device, runner.dtype)
+    pm = PeftModel.from_pretrained(hf, str(paths[0]), adapter_name=names[0])
     for name, p in zip(names[1:], paths[1:], strict=True):
         pm.load_adapter(str(p), adapter_name=name)
     pm.eval()
