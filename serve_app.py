@@ -7,7 +7,7 @@
 `build_app(args)` takes string arguments (as `serve run` passes them; a Serve config file
 may pass typed values). Engine arguments (EngineConfig fields): model, max_loras,
 max_lora_rank, max_cpu_loras, max_num_seqs, max_num_batched_tokens, max_model_len,
-block_size, num_kv_blocks, kv_cache_memory_gb, lora_backend, dtype, device, seed.
+block_size, num_kv_blocks, kv_cache_memory_gb, lora_backend, lora_dtype, dtype, device, seed.
 Application arguments: see APP_ARGS below and docs/serving.md.
 
 Importing this module is cheap: no model, no adapter and no Ray cluster is touched until
@@ -74,6 +74,7 @@ ENGINE_ARGS: dict[str, Any] = {
     "num_kv_blocks": int,
     "kv_cache_memory_gb": float,
     "lora_backend": str,
+    "lora_dtype": str,
     "dtype": str,
     "device": str,
     "seed": int,

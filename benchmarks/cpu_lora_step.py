@@ -9,6 +9,8 @@ as many active adapters as slots, tokens grouped by slot as the model runner ord
 Three ways over the same weights, interleaved --repeats times in one process (medians):
   sum       `w.a.sum(); w.b_t.sum()`: reads the same bytes, no math (the bandwidth bound)
   kernel    the C++ CPU kernel (`raylora_cpu::lora_add`, kernels/cpu_kernel.py)
+  bf16      the same kernel on bfloat16 copies of the weights (lora_dtype="bfloat16": half
+            the bytes; its GB/s counts the fp32 bytes, i.e. it is the fp32-equivalent rate)
   torch     `lora_linear` on torch ops (RAYLORA_CPU_KERNEL=0)
 Decode with many adapters is bound by reading their weights, so kernel / sum is the figure
 to watch. See docs/benchmarks.md (LoRA overhead).
@@ -78,6 +80,12 @@ def main(argv: list[str] | None = None) -> dict:
         for w in linears:
             op(xs[w.a.shape[2]], w.a, w.b_t, meta.segments, w.widths, ys[w.b_t.shape[2]])
 
+    halves = [(w.a.bfloat16(), w.b_t.bfloat16(), w.widths) for w in linears]
+
+    def run_bf16() -> None:
+        for a, b_t, widths in halves:
+            op(xs[a.shape[2]], a, b_t, meta.segments, widths, ys[b_t.shape[2]])
+
     def run_torch() -> None:
         os.environ["RAYLORA_CPU_KERNEL"] = "0"
         try:
@@ -86,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
         finally:
             os.environ["RAYLORA_CPU_KERNEL"] = "1"
 
-    ways = {"sum": run_sum, "kernel": run_kernel, "torch": run_torch}
+    ways = {"sum": run_sum, "kernel": run_kernel, "bf16": run_bf16, "torch": run_torch}
     for f in ways.values():
         f()  # warm-up
     times: dict[str, list[float]] = {k: [] for k in ways}
@@ -105,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
         log(f"{k:>7}: {med[k] * 1e3:7.2f} ms  ({num_bytes / med[k] / 1e9:5.1f} GB/s)")
     log(
         f"kernel / sum: {med['kernel'] / med['sum']:.2f}x   torch / kernel: "
-        f"{med['torch'] / med['kernel']:.2f}x"
+        f"{med['torch'] / med['kernel']:.2f}x   bf16 / kernel: {med['bf16'] / med['kernel']:.2f}x"
     )
     return {k: v * 1e3 for k, v in med.items()}
 

@@ -10,7 +10,9 @@ temporary folder (or --adapter-dir, kept).
 
 (a) Decode step time: --batch sequences, batch / num_adapters per adapter, all adapters in
     slots at once (max_loras = num_adapters), against the same prompts on the base model
-    (no adapter) in a second, identical engine. Steady-state decode only (after every
+    (no adapter) in a second, identical engine; with --lora-dtypes auto bfloat16 (the default
+    on the CPU) a third engine holds the slots in bf16 (EngineConfig.lora_dtype) and is
+    stepped in the same turns. Steady-state decode only (after every
     prefill); the two engines take turns, one step each, for --steps steps per round,
     --rounds rounds; the ratio is the median over the pairs of LoRA step / base step (the
     machine's speed drifts by tens of percent within a minute; a pair a fraction of a second
@@ -71,6 +73,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--adapter-dir", default=None, help="write the adapters here (kept)")
     p.add_argument("--skip-hf", action="store_true", help="part (a) only")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument(
+        "--lora-dtypes",
+        nargs="+",
+        default=None,
+        help="lora_dtype of each LoRA engine of (a); the first also runs (b) (default: auto "
+        "bfloat16 on the CPU, auto on CUDA)",
+    )
     return p.parse_args(argv)
 
 
@@ -97,14 +106,14 @@ def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
         LoRARequest(name, i + 1, str(p))
         for i, (name, p) in enumerate(zip(names, paths, strict=True))
     ]
-    config = EngineConfig(
+    config = dict(
         model=str(path),
         max_loras=n,
         max_lora_rank=args.rank,
         max_cpu_loras=max(32, n),
         max_num_seqs=max(64, args.batch, args.num_requests),
     )
-    engine = LLMEngine(config)
+    engine = LLMEngine(EngineConfig(**config))
     low, high = vocab_range(engine.tokenizer, engine.model_runner.args.vocab_size)
     work = make_workload(
         args.num_requests, tuple(args.prompt_len), tuple(args.output_len), low, high, args.seed
@@ -118,25 +127,34 @@ def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
         f"C++ CPU kernel {cpp})"
     )
     log(f"adapters: {n} x rank {args.rank} on {','.join(ALL_LINEARS)} (max_loras {n})")
+    dtypes = args.lora_dtypes or (["auto", "bfloat16"] if runner.device.type == "cpu" else ["auto"])
 
     # warm-up: every adapter into its slot once, and the allocator at batch size
     warm = make_workload(n, (8, 8), (4, 4), low, high, args.seed + 1)
     run_engine(engine, warm, loras, desc="warm-up raylora")
 
-    # (a) decode step: the LoRA batch and the base batch on two identical engines, stepped in
-    # turn (common.time_paired_decode_steps), so each LoRA step has a base step beside it.
-    engines = {"base": LLMEngine(config), "lora": engine}
+    # (a) decode step: the LoRA batch and the base batch on identical engines (one per LoRA
+    # dtype), stepped in turn (common.time_paired_decode_steps), so each LoRA step has a base
+    # step beside it.
+    engines = {"base": LLMEngine(EngineConfig(**config)), "lora": engine}
+    for d in dtypes[1:]:
+        engines[f"lora {d}"] = LLMEngine(EngineConfig(**config, lora_dtype=d))
+        run_engine(engines[f"lora {d}"], warm, loras, desc=f"warm-up lora_dtype {d}")
+    if dtypes[0] != "auto":
+        engines["lora"] = engine = LLMEngine(EngineConfig(**config, lora_dtype=dtypes[0]))
+        run_engine(engine, warm, loras, desc=f"warm-up lora_dtype {dtypes[0]}")
+    labels = {
+        k: "base" if k == "base" else f"LoRA, lora_dtype {k[5:] or dtypes[0]}" for k in engines
+    }
     prompts = (work.prompts * (args.batch // len(work.prompts) + 1))[: args.batch]
     per = args.batch // n
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 64, ignore_eos=True)
-    timing: dict[str, dict[str, list[float]]] = {
-        k: {"step": [], "fwd": []} for k in ("base", "lora")
-    }
+    timing: dict[str, dict[str, list[float]]] = {k: {"step": [], "fwd": []} for k in engines}
     graphed: dict[str, float] = {}
     for r in range(args.rounds):
         for kind, eng in engines.items():
             for i, prompt in enumerate(prompts):
-                lora = loras[i // per] if kind == "lora" else None
+                lora = loras[i // per] if kind != "base" else None
                 eng.add_request(f"{kind}{r}-{i}", {"prompt_token_ids": prompt}, params, lora)
         paired = time_paired_decode_steps(engines, args.steps, desc=f"round {r} paired decode")
         if r == 0 and runner.device.type == "cuda":
@@ -148,48 +166,44 @@ def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
             finish_all(eng)
             timing[kind]["step"] += paired[kind].step_s
             timing[kind]["fwd"] += paired[kind].forward_s
-    del engines["base"]
+    engines.clear()
     med = {k: {m: statistics.median(v) for m, v in d.items()} for k, d in timing.items()}
-    step_ratio = paired_ratio(timing["lora"]["step"], timing["base"]["step"])
-    fwd_ratio = paired_ratio(timing["lora"]["fwd"], timing["base"]["fwd"])
     log("")
     log("== LoRA overhead: decode step ==")
     log(
         f"batch {args.batch} ({per} per adapter, {n} adapters), contexts as in the workload, "
-        f"two engines stepped in turn, {len(timing['lora']['step'])} steps each (medians; "
-        "ratios: median over the step pairs)"
+        f"{len(timing)} engines stepped in turn, {len(timing['lora']['step'])} steps each "
+        "(medians; ratios: median over the step pairs)"
     )
-    log(
-        f"base  engine.step(): {med['base']['step'] * 1e3:8.2f} ms   "
-        f"bare forward: {med['base']['fwd'] * 1e3:8.2f} ms"
-    )
-    log(
-        f"LoRA  engine.step(): {med['lora']['step'] * 1e3:8.2f} ms   "
-        f"bare forward: {med['lora']['fwd'] * 1e3:8.2f} ms"
-    )
-    log(
-        f"ratio LoRA / base (engine step): {step_ratio:.3f}x  "
-        f"{verdict(step_ratio, STEP_TARGET, False)}"
-    )
-    log(f"ratio LoRA / base (bare forward): {fwd_ratio:.3f}x")
+    for k, label in labels.items():
+        log(
+            f"{label + ':':26s} engine.step() {med[k]['step'] * 1e3:8.2f} ms   "
+            f"bare forward {med[k]['fwd'] * 1e3:8.2f} ms"
+        )
+    result: dict = {"base_step_ms": med["base"]["step"] * 1e3}
+    for k, label in labels.items():
+        if k == "base":
+            continue
+        step_ratio = paired_ratio(timing[k]["step"], timing["base"]["step"])
+        fwd_ratio = paired_ratio(timing[k]["fwd"], timing["base"]["fwd"])
+        pairs = zip(timing[k]["step"], timing["base"]["step"], strict=True)
+        spread = sorted(a / b for a, b in pairs)
+        log(
+            f"ratio {label} / base (engine step): {step_ratio:.3f}x  "
+            f"{verdict(step_ratio, STEP_TARGET, False)}  (quartiles "
+            f"{spread[len(spread) // 4]:.3f} / {spread[3 * len(spread) // 4]:.3f}; "
+            f"bare forward {fwd_ratio:.3f}x)"
+        )
+        suffix = "" if k == "lora" else "_" + k[5:]
+        result[f"lora_step_ms{suffix}"] = med[k]["step"] * 1e3
+        result[f"step_ratio{suffix}"] = step_ratio
+        result[f"forward_ratio{suffix}"] = fwd_ratio
     if graphed:  # a probe (CUDA only): the engine itself runs eager
         log(
             f"bare forward as a CUDA graph (replay, not what the engine runs): base "
             f"{graphed['base'] * 1e3:.3f} ms, LoRA {graphed['lora'] * 1e3:.3f} ms, ratio "
             f"{graphed['lora'] / graphed['base']:.3f}x"
         )
-    pairs = zip(timing["lora"]["step"], timing["base"]["step"], strict=True)
-    spread = sorted(a / b for a, b in pairs)
-    log(
-        f"step pairs: {len(spread)}, ratio quartiles {spread[len(spread) // 4]:.3f} / "
-        f"{spread[len(spread) // 2]:.3f} / {spread[3 * len(spread) // 4]:.3f}"
-    )
-    result = {
-        "base_step_ms": med["base"]["step"] * 1e3,
-        "lora_step_ms": med["lora"]["step"] * 1e3,
-        "step_ratio": step_ratio,
-        "forward_ratio": fwd_ratio,
-    }
     if args.skip_hf:
         return result
 

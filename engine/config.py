@@ -28,6 +28,7 @@ class LoRAConfig:
     max_lora_rank: int
     max_cpu_loras: int
     lora_backend: str  # "auto" (triton on CUDA, torch on CPU) | "torch" | "triton"
+    lora_dtype: str = "auto"  # the slots' weights: "auto" (the model's dtype) or a dtype name
 
 
 @dataclass(slots=True)
@@ -45,6 +46,10 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int = 32
     lora_backend: str = "auto"
+    # dtype of the slots' LoRA weights (vLLM's lora_dtype): "auto" = the model's dtype. On the
+    # CPU, "bfloat16" under an fp32 model halves the bytes a decode step reads (the C++
+    # kernel widens them to fp32 in registers; the math stays fp32).
+    lora_dtype: str = "auto"
     lora_starvation_steps: int = 32
     max_n: int = 16
     dtype: str = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA
@@ -82,10 +87,12 @@ class EngineConfig:
             raise ValueError(
                 f"lora_backend must be auto, torch or triton, got {self.lora_backend!r}"
             )
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(
-                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
-            )
+        for name in ("dtype", "lora_dtype"):
+            if getattr(self, name) not in ("auto", "float32", "bfloat16", "float16"):
+                raise ValueError(
+                    f"{name} must be auto, float32, bfloat16 or float16, "
+                    f"got {getattr(self, name)!r}"
+                )
         self.scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -100,6 +107,7 @@ class EngineConfig:
             self.max_lora_rank,
             self.max_cpu_loras,
             self.lora_backend,
+            self.lora_dtype,
         )
 
     def finalize(self, model_max_len: int, num_kv_blocks: int) -> None:

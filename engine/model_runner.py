@@ -33,6 +33,21 @@ def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def pick_lora_dtype(config: EngineConfig, model_dtype: torch.dtype, backend: str) -> torch.dtype:
+    """The slots' weight dtype: lora_dtype, or the model's dtype for "auto". The Triton kernels
+    take weights in the activations' dtype only."""
+    if config.lora_dtype == "auto":
+        return model_dtype
+    dtype = getattr(torch, config.lora_dtype)
+    if backend == "triton" and dtype != model_dtype:
+        raise ValueError(
+            f"lora_dtype {config.lora_dtype} differs from the model's dtype "
+            f"{str(model_dtype)[6:]}: the triton LoRA backend needs them equal (use "
+            "lora_dtype='auto')"
+        )
+    return dtype
+
+
 def order_by_slot(tagged: Iterable[tuple[T, int]]) -> list[tuple[T, int]]:
     """(item, LoRA slot) pairs with the adapter ones first in ascending slot order and the base
     ones (slot -1) last; stable otherwise. The LoRA kernels then find each slot's tokens as one
@@ -46,6 +61,11 @@ class ModelRunner:
         self.config = config
         self.device = pick_device(config)
         self.dtype = pick_dtype(config, self.device)
+        backend = config.lora_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        self.lora_backend = backend
+        self.lora_dtype = pick_lora_dtype(config, self.dtype, backend)  # checked before loading
         self.args = ModelArgs.from_hf_config(load_model_config(model_path))
         with torch.device("meta"):
             model = LlamaForCausalLM(self.args)
@@ -57,17 +77,13 @@ class ModelRunner:
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_for_memory()
         self._allocate_kv_cache()
         self.sampler = Sampler(config.seed)
-        backend = config.lora_backend
-        if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else "torch"
-        self.lora_backend = backend
         self.lora_manager: LoRAManager | None = None
         if config.enable_lora:
             spec = LoRAModelSpec(
                 self.args.num_layers, self.args.lora_module_shapes(), config.max_lora_rank
             )
             self.lora_manager = LoRAManager(
-                config.lora, spec, self.model.lora_linears(), self.device, self.dtype
+                config.lora, spec, self.model.lora_linears(), self.device, self.lora_dtype
             )
             if backend == "torch" and self.device.type == "cpu" and self.dtype == torch.float32:
                 cpu_lora_op()  # build (first time on this machine) or load it now, not mid-step

@@ -106,7 +106,8 @@ def lora_linear(
     """y[t, cols_s] += x[t] @ lora_a[s][slot(t)].T @ lora_b[s][slot(t)].T for every token
     with an adapter (slot(t) >= 0) and every slice s; rows of other tokens stay untouched.
 
-    x: [T, H_in]; y: [T, sum(w.widths)], rows contiguous, same dtype as the weights.
+    x: [T, H_in]; y: [T, sum(w.widths)], rows contiguous, same dtype as the weights (the torch
+    backend also takes narrower weights: bf16 slots under an fp32 model, math in fp32).
     """
     if meta.no_lora:
         return
@@ -164,6 +165,11 @@ def lora_linear_torch(
     if op is not None:
         op(x, w.a, w.b_t, meta.segments, w.widths, y)
         return
+    if w.a.dtype != x.dtype and x.device.type == "cpu":
+        # lora_dtype narrower than the model's (bf16 slots, fp32 model) and a batch the C++
+        # kernel does not take (prefill, or the kernel is off): widen the weights for this
+        # call, so the math stays in the activations' precision, as in the kernel.
+        w = SlotWeights(w.a.to(x.dtype), w.b_t.to(x.dtype), w.widths)
     x = x.to(w.a.dtype)
     num_lora = meta.num_lora_tokens
     num_active, max_n = meta.num_active_slots, meta.max_tokens_per_slot
@@ -184,13 +190,15 @@ def lora_linear_torch(
 def _cpu_kernel(
     x: torch.Tensor, y: torch.Tensor, w: SlotWeights, meta: LoRABatchMeta
 ) -> Callable[..., None] | None:
-    """The C++ CPU kernel's op if it is built and takes this batch: fp32 on the CPU, tokens
-    grouped by slot, few tokens a slot (decode), rows contiguous; else None."""
+    """The C++ CPU kernel's op if it is built and takes this batch: fp32 activations on the
+    CPU, fp32 or bf16 weights, tokens grouped by slot, few tokens a slot (decode), rows
+    contiguous; else None."""
     if not (
         meta.tokens_sorted
         and meta.max_tokens_per_slot <= _CPU_KERNEL_MAX_TOKENS
         and x.device.type == "cpu"
-        and x.dtype == y.dtype == w.a.dtype == torch.float32
+        and x.dtype == y.dtype == torch.float32
+        and w.a.dtype in (torch.float32, torch.bfloat16)
         and x.stride(1) == 1
         and y.stride(1) == 1
     ):

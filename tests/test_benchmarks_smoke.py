@@ -62,7 +62,11 @@ def test_lora_overhead_smoke(tiny_model_dir, tmp_path, capsys):
     assert r["identical"] >= 5
     assert len(list(tmp_path.glob("bench-lora-*/adapter_model.safetensors"))) == 3
     out = capsys.readouterr().out
-    assert "ratio LoRA / base (engine step)" in out and "ratio raylora / HF PEFT" in out
+    assert "ratio raylora / HF PEFT" in out
+    # on the CPU, (a) also times an engine with bf16 slots (lora_dtype), beside the same base
+    assert "ratio LoRA, lora_dtype auto / base (engine step)" in out
+    assert "ratio LoRA, lora_dtype bfloat16 / base (engine step)" in out
+    assert r["step_ratio"] > 0 and r["step_ratio_bfloat16"] > 0
 
 
 def test_cpu_lora_step_smoke(tiny_model_dir, capsys):

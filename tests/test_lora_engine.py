@@ -59,13 +59,20 @@ def run_checked(engine: LLMEngine, reqs, params, max_loras: int) -> dict[str, li
     return done
 
 
-def peft_references(model_dir, adapters, reqs, tokenizer, max_tokens, eos):
+def peft_references(model_dir, adapters, reqs, tokenizer, max_tokens, eos, lora_round=None):
+    """PEFT's fp32 greedy output per request. lora_round: round every LoRA weight to this
+    dtype first (the values an engine with that lora_dtype holds; the math stays fp32)."""
     refs = {}
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     models = {None: base}
     for name, path in adapters.items():
         m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         models[name] = PeftModel.from_pretrained(m, path).eval()
+        if lora_round is not None:
+            with torch.no_grad():
+                for pname, w in models[name].named_parameters():
+                    if "lora_" in pname:
+                        w.copy_(w.to(lora_round).float())
     for rid, prompt, lora in reqs:
         model = models[lora.lora_name if lora else None]
         ids = tokenizer(prompt).input_ids
@@ -73,7 +80,7 @@ def peft_references(model_dir, adapters, reqs, tokenizer, max_tokens, eos):
     return refs
 
 
-def check_parity(model_dir, adapters, engine, max_tokens=10):
+def check_parity(model_dir, adapters, engine, max_tokens=10, lora_round=None):
     loras = lora_requests(adapters)
     reqs = workload(loras)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
@@ -85,6 +92,7 @@ def check_parity(model_dir, adapters, engine, max_tokens=10):
         engine.tokenizer,
         max_tokens,
         engine.output_processor.eos_token_ids,
+        lora_round,
     )
     exact = sum(assert_greedy_match(m, ids, ours[rid], ref) for rid, (m, ids, ref) in refs.items())
     assert exact >= len(reqs) - 1
@@ -127,6 +135,53 @@ def test_three_adapters_two_slots_match_peft(tiny_model_dir, adapters, monkeypat
     assert metas and all(m.tokens_sorted for m in metas)
     assert any(m.num_active_slots == 2 and m.num_lora_tokens < m.num_tokens for m in metas)
     assert bool(op_calls) == (cpu_kernel == "on")
+
+
+@pytest.mark.parametrize("cpu_kernel", ["on", "off"])
+def test_bf16_lora_weights_under_fp32_model_match_peft(
+    tiny_model_dir, adapters, monkeypatch, cpu_kernel
+):
+    """lora_dtype="bfloat16": the slots hold bf16 weights (half the bytes a decode step reads),
+    the math stays fp32. The reference is PEFT in fp32 on the same bf16-rounded values (the
+    scalings 2, 2 and 8 are powers of two, so folding them into B rounds alike)."""
+    op_calls = cpu_kernel_mode(monkeypatch, "cpu_kernel" if cpu_kernel == "on" else "torch_ops")
+    engine = LLMEngine(
+        EngineConfig(
+            model=tiny_model_dir,
+            max_loras=2,
+            max_lora_rank=16,
+            max_cpu_loras=2,
+            max_num_seqs=8,
+            block_size=4,
+            lora_dtype="bfloat16",
+        )
+    )
+    assert engine.model_runner.dtype == torch.float32
+    assert all(
+        lin.lora.a.dtype == torch.bfloat16
+        for lin in engine.model_runner.model.lora_linears().values()
+    )
+    ours = check_parity(tiny_model_dir, adapters, engine, lora_round=torch.bfloat16)
+    assert bool(op_calls) == (cpu_kernel == "on")
+    # the rounding is real: fp32 slots give other tokens somewhere in this workload
+    fp32 = LLMEngine(
+        EngineConfig(
+            model=tiny_model_dir, max_loras=2, max_lora_rank=16, max_num_seqs=8, block_size=4
+        )
+    )
+    reqs = workload(lora_requests(adapters))
+    exact = run_checked(fp32, reqs, SamplingParams(temperature=0, max_tokens=10), 2)
+    assert exact != ours
+
+
+def test_lora_dtype_is_checked():
+    with pytest.raises(ValueError, match="lora_dtype must be"):
+        EngineConfig(lora_dtype="int8")
+
+
+def test_triton_needs_lora_dtype_equal_to_the_model_dtype(tiny_model_dir):
+    with pytest.raises(ValueError, match="triton LoRA backend needs them equal"):
+        LLMEngine(EngineConfig(model=tiny_model_dir, lora_backend="triton", lora_dtype="bfloat16"))
 
 
 @pytest.mark.timeout(600)

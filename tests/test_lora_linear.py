@@ -136,6 +136,38 @@ def test_linear_with_lora_matches_reference(monkeypatch, mode, bias, widths_key,
         assert len(cpu_kernel_calls) == (layout in CPU_KERNEL_LAYOUTS)
 
 
+@pytest.mark.parametrize("mode", ["cpu_kernel", "torch_ops"])
+@pytest.mark.parametrize("widths_key", sorted(WIDTHS))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bf16_weights_under_fp32_activations(monkeypatch, mode, widths_key, layout):
+    """lora_dtype="bfloat16" under an fp32 model: the math is fp32 on the bf16 values, so the
+    reference is the fp32 one on the same weights widened, to fp32 rounding."""
+    calls = cpu_kernel_mode(monkeypatch, mode)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"bf16/{widths_key}/{layout}".encode()))
+    w = _weights(widths_key, torch.bfloat16, gen)
+    wide = SlotWeights(w.a.float(), w.b_t.float(), w.widths)
+    slots = _slots(layout, gen)
+    x = torch.randn(len(slots), w.a.shape[2], generator=gen)
+    y = torch.randn(len(slots), sum(w.widths), generator=gen)
+    ref = lora_expand_ref(lora_shrink_ref(x, wide.lora_a, slots), wide.lora_b, slots, y)
+    y0 = y.clone()
+    out = linear_with_lora(
+        x,
+        torch.zeros(y.shape[1], x.shape[1]),
+        None,
+        w,
+        LoRABatchMeta.build(slots, L),
+        backend="torch",
+    )
+    lora_linear(x, y, w, LoRABatchMeta.build(slots, L), backend="torch")
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, ref - y0, rtol=1e-5, atol=1e-5)
+    base_rows = (slots < 0).nonzero().flatten()
+    assert torch.equal(y[base_rows], y0[base_rows])
+    if calls is not None:  # linear_with_lora and lora_linear each call it once
+        assert len(calls) == 2 * (layout in CPU_KERNEL_LAYOUTS)
+
+
 def test_cpu_kernel_rejects_bad_arguments():
     op = cpu_kernel.cpu_lora_op()
     assert op is not None
@@ -150,6 +182,10 @@ def test_cpu_kernel_rejects_bad_arguments():
         op(x, w.a, w.b_t, torch.tensor([[1], [1], [3]]), w.widths, y)  # rows 1..3 of 3
     with pytest.raises(RuntimeError, match="float32"):
         op(x.double(), w.a, w.b_t, segments, w.widths, y)
+    with pytest.raises(RuntimeError, match="must both be float32 or both bfloat16"):
+        op(x, w.a.bfloat16(), w.b_t, segments, w.widths, y)
+    with pytest.raises(RuntimeError, match="must both be float32 or both bfloat16"):
+        op(x, w.a.half(), w.b_t.half(), segments, w.widths, y)
     with pytest.raises(RuntimeError, match="shapes do not match"):
         op(x, w.a, w.b_t, segments, [8, 3], y[:, :11])
 

@@ -7,32 +7,49 @@
 // starts[i] .. starts[i] + counts[i] of x and y). Decode with many adapters is bound by reading
 // the adapters' weights; this reads each weight once, in address order, with the slot's few
 // tokens in registers, where torch's batched GEMM streams the expand's weights at about half
-// the memory bandwidth (docs/benchmarks.md). Built at run time by kernels/cpu_kernel.py.
+// the memory bandwidth (docs/benchmarks.md). The weights are float32 or bfloat16 (the engine's
+// lora_dtype; bf16 halves the bytes read, widened to fp32 in registers, fp32 math); x and y are
+// float32. Built at run time by kernels/cpu_kernel.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
 namespace {
 
 typedef float v16 __attribute__((vector_size(64)));  // 16 floats: one AVX-512 register
+typedef uint16_t h16 __attribute__((vector_size(32)));  // 16 bfloat16 bit patterns
+typedef uint32_t u16 __attribute__((vector_size(64)));
 inline v16 load(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
+// bfloat16 is the top half of a float32: widen each to 32 bits and shift it up.
+inline v16 load(const at::BFloat16* p) {
+  h16 h;
+  std::memcpy(&h, p, sizeof h);
+  const u16 w = __builtin_convertvector(h, u16) << 16;
+  v16 v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+inline float scalar(float w) { return w; }
+inline float scalar(at::BFloat16 w) { return static_cast<float>(w); }
 inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 inline float hsum(v16 v) { float s = 0; for (int k = 0; k < 16; ++k) s += v[k]; return s; }
 constexpr int kTok = 4;  // tokens per pass over a weight row
 
 // buf[t * SR + r] = dot(a_slot[r], x[t0 + t]) for the slot's n tokens and every row r.
-void shrink(const float* a_slot, int64_t SR, int64_t H, const float* x, int64_t x_stride,
+template <typename W>
+void shrink(const W* a_slot, int64_t SR, int64_t H, const float* x, int64_t x_stride,
             int64_t t0, int64_t n, float* buf) {
   for (int64_t tb = 0; tb < n; tb += kTok) {
     const int nt = static_cast<int>(std::min<int64_t>(kTok, n - tb));
     const float* xr[kTok];
     for (int t = 0; t < nt; ++t) xr[t] = x + (t0 + tb + t) * x_stride;
     for (int64_t r = 0; r < SR; ++r) {
-      const float* row = a_slot + r * H;
+      const W* row = a_slot + r * H;
       v16 acc[kTok] = {};
       float tail[kTok] = {};
       int64_t h = 0;
@@ -41,14 +58,15 @@ void shrink(const float* a_slot, int64_t SR, int64_t H, const float* x, int64_t 
         for (int t = 0; t < nt; ++t) acc[t] += w * load(xr[t] + h);
       }
       for (; h < H; ++h)
-        for (int t = 0; t < nt; ++t) tail[t] += row[h] * xr[t][h];
+        for (int t = 0; t < nt; ++t) tail[t] += scalar(row[h]) * xr[t][h];
       for (int t = 0; t < nt; ++t) buf[(tb + t) * SR + r] = hsum(acc[t]) + tail[t];
     }
   }
 }
 
 // y[t0 + t, offs[s]:offs[s+1]] += sum_r buf[t * SR + s * R + r] * bt_slot[r, offs[s]:offs[s+1]]
-void expand_add(const float* bt_slot, int64_t R, int64_t H_out, const std::vector<int64_t>& offs,
+template <typename W>
+void expand_add(const W* bt_slot, int64_t R, int64_t H_out, const std::vector<int64_t>& offs,
                 const float* buf, int64_t SR, float* y, int64_t y_stride, int64_t t0, int64_t n) {
   const int64_t S = static_cast<int64_t>(offs.size()) - 1;
   for (int64_t tb = 0; tb < n; tb += kTok) {
@@ -56,7 +74,7 @@ void expand_add(const float* bt_slot, int64_t R, int64_t H_out, const std::vecto
     float* yr[kTok];
     for (int t = 0; t < nt; ++t) yr[t] = y + (t0 + tb + t) * y_stride;
     for (int64_t r = 0; r < R; ++r) {
-      const float* row = bt_slot + r * H_out;
+      const W* row = bt_slot + r * H_out;
       for (int64_t s = 0; s < S; ++s) {
         float coef[kTok];
         for (int t = 0; t < nt; ++t) coef[t] = buf[(tb + t) * SR + s * R + r];
@@ -66,17 +84,37 @@ void expand_add(const float* bt_slot, int64_t R, int64_t H_out, const std::vecto
           for (int t = 0; t < nt; ++t) store(yr[t] + c, load(yr[t] + c) + coef[t] * w);
         }
         for (; c < offs[s + 1]; ++c)
-          for (int t = 0; t < nt; ++t) yr[t][c] += coef[t] * row[c];
+          for (int t = 0; t < nt; ++t) yr[t][c] += coef[t] * scalar(row[c]);
       }
     }
   }
 }
 
+template <typename W>
+void run(const at::Tensor& x, const W* ap, const W* bp, const int64_t* slot,
+         const int64_t* start, const int64_t* count, int64_t A, int64_t SR, int64_t H, int64_t R,
+         int64_t H_out, const std::vector<int64_t>& offs, at::Tensor& y) {
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // One slot per work item: its A rows, then its B^T rows, each read once in address order.
+  at::parallel_for(0, A, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf;
+    for (int64_t i = begin; i < end; ++i) {
+      if (count[i] == 0) continue;
+      buf.assign(count[i] * SR, 0.f);
+      shrink(ap + slot[i] * SR * H, SR, H, xp, x.stride(0), start[i], count[i], buf.data());
+      expand_add(bp + slot[i] * R * H_out, R, H_out, offs, buf.data(), SR, yp, y.stride(0),
+                 start[i], count[i]);
+    }
+  });
+}
+
 void lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b_t,
               const at::Tensor& segments, at::IntArrayRef widths, at::Tensor& y) {
-  TORCH_CHECK(x.dtype() == at::kFloat && a.dtype() == at::kFloat && b_t.dtype() == at::kFloat &&
-                  y.dtype() == at::kFloat,
-              "raylora_cpu.lora_add: float32 tensors only");
+  TORCH_CHECK(x.dtype() == at::kFloat && y.dtype() == at::kFloat,
+              "raylora_cpu.lora_add: x and y must be float32");
+  TORCH_CHECK(a.dtype() == b_t.dtype() && (a.dtype() == at::kFloat || a.dtype() == at::kBFloat16),
+              "raylora_cpu.lora_add: a and b_t must both be float32 or both bfloat16");
   TORCH_CHECK(x.device().is_cpu() && a.device().is_cpu() && b_t.device().is_cpu() &&
                   y.device().is_cpu() && segments.device().is_cpu(),
               "raylora_cpu.lora_add: CPU tensors only");
@@ -103,21 +141,12 @@ void lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b_t,
     TORCH_CHECK(slot[i] >= 0 && slot[i] < L && start[i] >= 0 && count[i] >= 0 &&
                     start[i] + count[i] <= std::min(x.size(0), y.size(0)),
                 "segment ", i, " out of range");
-  const float* xp = x.data_ptr<float>();
-  const float* ap = a.data_ptr<float>();
-  const float* bp = b_t.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // One slot per work item: its A rows, then its B^T rows, each read once in address order.
-  at::parallel_for(0, A, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf;
-    for (int64_t i = begin; i < end; ++i) {
-      if (count[i] == 0) continue;
-      buf.assign(count[i] * SR, 0.f);
-      shrink(ap + slot[i] * SR * H, SR, H, xp, x.stride(0), start[i], count[i], buf.data());
-      expand_add(bp + slot[i] * R * H_out, R, H_out, offs, buf.data(), SR, yp, y.stride(0),
-                 start[i], count[i]);
-    }
-  });
+  if (a.dtype() == at::kFloat)
+    run(x, a.data_ptr<float>(), b_t.data_ptr<float>(), slot, start, count, A, SR, H, R, H_out,
+        offs, y);
+  else
+    run(x, a.data_ptr<at::BFloat16>(), b_t.data_ptr<at::BFloat16>(), slot, start, count, A, SR,
+        H, R, H_out, offs, y);
 }
 
 }  // namespace
