@@ -112,7 +112,11 @@ def lora_linear(
     if meta.no_lora:
         return
     if resolve_backend(backend, x) == "triton":
-        buf = lora_shrink(x, w.lora_a, meta, backend="triton")
+        # Uninitialised is enough: the shrink writes (or, split-K, zeroes then accumulates)
+        # every row of a token with an adapter, and the expand reads only those rows. On a GPU
+        # an eager decode step is bound by launches, and zeros() would be one more per linear.
+        buf = torch.empty(len(w.lora_a), x.shape[0], w.rank, dtype=torch.float32, device=x.device)
+        lora_shrink(x, w.lora_a, meta, out=buf, backend="triton")
         lora_expand(buf, w.lora_b, meta, y, backend="triton")
         return
     assert x.dim() == 2 and y.dim() == 2 and x.shape[0] == y.shape[0] == meta.num_tokens, (
