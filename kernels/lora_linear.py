@@ -139,16 +139,23 @@ def linear_with_lora(
     On the torch path, when every token has an adapter and the tokens come in equal runs per
     slot (a decode batch, ordered by the model runner), the delta is computed first and the
     base GEMM accumulates onto it (addmm with beta=1): y is written once, with no add pass.
-    Otherwise (prefill-sized outputs, and batches the C++ CPU kernel takes, which adds into
-    y in the same pass that reads the weights) F.linear, then `lora_linear` adds into its output.
+    Batches the C++ CPU kernel takes: F.linear, then the kernel adds into y in the same pass
+    that reads the weights (asked once here, not again through `lora_linear`: this runs for
+    every LoRA linear of every step). Otherwise (prefill-sized outputs) F.linear, then
+    `lora_linear` adds into its output.
     """
+    torch_path = not meta.no_lora and resolve_backend(backend, x) == "torch"
+    op = _cpu_kernel(x, x, w, meta) if torch_path else None  # x stands in for F.linear's y
+    if op is not None:
+        y = F.linear(x, weight, bias)
+        op(x, w.a, w.b_t, meta.segments, w.widths, y)
+        return y
     if (
-        meta.uniform
+        torch_path
+        and meta.uniform
         and meta.num_lora_tokens == meta.num_tokens > 0
         and x.shape[0] * weight.shape[0] <= _FUSED_MAX_ELEMENTS
         and x.dtype == w.a.dtype
-        and resolve_backend(backend, x) == "torch"
-        and _cpu_kernel(x, x, w, meta) is None  # x stands in for y: F.linear's y is like it
     ):
         delta = _uniform_delta(x, w, meta)
         if bias is not None:

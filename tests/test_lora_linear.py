@@ -118,12 +118,13 @@ def test_linear_with_lora_matches_reference(monkeypatch, mode, bias, widths_key,
     b = torch.randn(sum(w.widths), generator=gen) if bias else None
     base = F.linear(x, weight, b)
     ref = lora_expand_ref(lora_shrink_ref(x, w.lora_a, slots), w.lora_b, slots, base.clone())
-    # Without the C++ kernel, a batch whose every token has an adapter, in equal runs per slot
-    # (decode), takes the addmm path, which never calls lora_linear; every other batch goes
-    # through lora_linear, and so does every batch the C++ kernel takes.
+    # The C++ kernel's batches go straight to it; without it, a batch whose every token has an
+    # adapter, in equal runs per slot (decode), takes the addmm path. Neither calls
+    # lora_linear; every other batch goes through it.
     uniform_all = layout in ("sorted_uniform", "sorted_uniform_one_slot")
     assert uniform_all == (meta.uniform and meta.num_lora_tokens == meta.num_tokens)
-    fused = uniform_all and cpu_kernel_calls is None
+    kernel = cpu_kernel_calls is not None and layout in CPU_KERNEL_LAYOUTS
+    fused = kernel or (uniform_all and cpu_kernel_calls is None)
     calls = []
     real = lora_linear_mod.lora_linear
     monkeypatch.setattr(lora_linear_mod, "lora_linear", lambda *a: calls.append(1) or real(*a))
