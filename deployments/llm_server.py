@@ -19,61 +19,27 @@ configurable.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from pathlib import Path
 from typing import Any
 
 from ray import serve
 
 from deployments import metrics
 from deployments.protocol import APIError
+from deployments.replica_io import (
+    adapter_entry,
+    completion_dict,
+    initial_adapters,
+    output_dict,
+    to_api_error,
+)
 
 logger = logging.getLogger("ray.serve")
 
 REGISTRY_CALL_TIMEOUT_S = 5.0
-
-
-def adapter_entry(name: str, path: str, base_model: str) -> dict[str, Any]:
-    """A catalog entry (the registry's spec) for a PEFT folder, read from adapter_config.json.
-
-    A Hub repo id (not a local folder) gets rank 1 and no target modules until a replica
-    loads it; the engine validates every adapter when it loads it anyway.
-    """
-    folder = Path(path).expanduser()
-    rank, targets = 1, []
-    cfg_file = folder / "adapter_config.json"
-    if cfg_file.is_file():
-        cfg = json.loads(cfg_file.read_text())
-        rank = int(cfg.get("r", 1))
-        t = cfg.get("target_modules") or []
-        targets = [t] if isinstance(t, str) else list(t)
-    elif folder.is_absolute() or path.startswith((".", "~")):
-        raise FileNotFoundError(f"adapter {name!r}: {path} has no adapter_config.json")
-    return {"source": str(path), "rank": rank, "target_modules": targets, "base_model": base_model}
-
-
-def to_api_error(exc: BaseException) -> BaseException:
-    """Engine exception -> APIError with its HTTP status; anything else is returned as is."""
-    from engine.errors import InvalidRequestError, PromptTooLongError
-    from engine.lora.errors import InvalidLoRAError, LoRAError, LoRANotFoundError
-
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, LoRANotFoundError):
-        return APIError(404, str(exc), param="model", code="model_not_found")
-    if isinstance(exc, (InvalidLoRAError, LoRAError)):
-        return APIError(400, str(exc), param="model", code="invalid_adapter")
-    if isinstance(exc, PromptTooLongError):
-        return APIError(400, str(exc), param="prompt", code="context_length_exceeded")
-    if isinstance(exc, InvalidRequestError):
-        return APIError(400, str(exc))
-    if isinstance(exc, (ValueError, TypeError)):
-        return APIError(400, str(exc))
-    return exc
 
 
 def _replica_id() -> str:
@@ -116,7 +82,7 @@ class LLMServer:
         # name -> registry spec: the adapters the app was built with until the registry answers
         self._catalog: dict[str, dict] = {
             name: adapter_entry(name, path, self.model_name)
-            for name, path in _initial_adapters(adapters, demo_adapters).items()
+            for name, path in initial_adapters(adapters, demo_adapters).items()
         }
         self._lora_ids: dict[str, int] = {}  # name -> lora_int_id (stable per replica)
         self._load_locks: dict[str, asyncio.Lock] = {}
@@ -159,9 +125,9 @@ class LLMServer:
                 end = len(o.text) if o.finish_reason else len(o.text.rstrip("\ufffd"))
                 end = max(end, num_chars)
                 seen[o.index] = (end, len(o.token_ids))
-                deltas.append(self._completion_dict(o, num_chars, num_tokens, end))
+                deltas.append(completion_dict(o, num_chars, num_tokens, end, self._token_text))
             if deltas or out.finished:
-                yield self._output_dict(out, deltas, first)
+                yield output_dict(out, deltas, first)
 
     async def complete(self, request: dict[str, Any]) -> dict[str, Any]:
         """Run one request to the end; same dict as `generate` with the full texts."""
@@ -170,8 +136,8 @@ class LLMServer:
             final = out
         if final is None:
             raise APIError(500, "the engine returned no output", "server_error")
-        return self._output_dict(
-            final, [self._completion_dict(o, 0, 0) for o in final.outputs], True
+        return output_dict(
+            final, [completion_dict(o, 0, 0, None, self._token_text) for o in final.outputs], True
         )
 
     async def _run(self, request: dict[str, Any]):
@@ -231,42 +197,6 @@ class LLMServer:
         if "prompt" in request:
             return request["prompt"]
         raise APIError(400, "request has no prompt, prompt_token_ids or messages")
-
-    def _output_dict(self, out, completions: list[dict], first: bool) -> dict[str, Any]:
-        return {
-            "request_id": out.request_id,
-            "prompt": out.prompt if first else None,
-            "num_prompt_tokens": len(out.prompt_token_ids),
-            "outputs": completions,
-            "finished": out.finished,
-        }
-
-    def _completion_dict(
-        self, o, num_chars: int, num_tokens: int, end: int | None = None
-    ) -> dict[str, Any]:
-        new_ids = list(o.token_ids[num_tokens:])
-        logprobs = None
-        if o.logprobs is not None:
-            logprobs = [
-                self._logprob_entry(tid, lp)
-                for tid, lp in zip(new_ids, o.logprobs[num_tokens:], strict=False)
-            ]
-        return {
-            "index": o.index,
-            "text": o.text[num_chars:end],
-            "token_ids": new_ids,
-            "logprobs": logprobs,
-            "finish_reason": o.finish_reason,
-            "stop_reason": o.stop_reason,
-        }
-
-    def _logprob_entry(self, token_id: int, top: dict[int, float]) -> dict[str, Any]:
-        """{"token", "logprob", "top": {token: logprob}} for one generated token."""
-        return {
-            "token": self._token_text(token_id),
-            "logprob": float(top.get(token_id, float("-inf"))),
-            "top": {self._token_text(t): float(lp) for t, lp in top.items()},
-        }
 
     def _token_text(self, token_id: int) -> str:
         tokenizer = getattr(self.engine, "tokenizer", None)
@@ -479,14 +409,3 @@ class LLMServer:
             )
         except Exception as e:
             logger.warning("raylora: engine shutdown did not finish cleanly: %s", e)
-
-
-def _initial_adapters(adapters: dict[str, str] | None, demo_adapters: bool) -> dict[str, str]:
-    found = dict(adapters or {})
-    if demo_adapters:
-        from engine.lora.demo import DEMO_ADAPTERS, demo_adapter_dir, is_demo_adapter_present
-
-        for name in DEMO_ADAPTERS:
-            if name not in found and is_demo_adapter_present(name):
-                found[name] = str(demo_adapter_dir(name))
-    return found
