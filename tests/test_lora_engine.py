@@ -137,14 +137,18 @@ def test_three_adapters_two_slots_match_peft(tiny_model_dir, adapters, monkeypat
     assert bool(op_calls) == (cpu_kernel == "on")
 
 
-@pytest.mark.parametrize("cpu_kernel", ["on", "off"])
-def test_bf16_lora_weights_under_fp32_model_match_peft(
-    tiny_model_dir, adapters, monkeypatch, cpu_kernel
+@pytest.mark.parametrize(
+    "lora_dtype,cpu_kernel", [("bfloat16", "on"), ("bfloat16", "off"), ("float16", "on")]
+)
+def test_narrow_lora_weights_under_fp32_model_match_peft(
+    tiny_model_dir, adapters, monkeypatch, lora_dtype, cpu_kernel
 ):
     """lora_dtype="bfloat16": the slots hold bf16 weights (half the bytes a decode step reads),
-    the math stays fp32. The reference is PEFT in fp32 on the same bf16-rounded values (the
-    scalings 2, 2 and 8 are powers of two, so folding them into B rounds alike)."""
+    the math stays fp32 (the C++ kernel, or torch ops on widened weights). float16 is not a
+    kernel dtype: torch ops, widened. The reference is PEFT in fp32 on the same rounded values
+    (the scalings 2, 2 and 8 are powers of two, so folding them into B rounds alike)."""
     op_calls = cpu_kernel_mode(monkeypatch, "cpu_kernel" if cpu_kernel == "on" else "torch_ops")
+    dtype = getattr(torch, lora_dtype)
     engine = LLMEngine(
         EngineConfig(
             model=tiny_model_dir,
@@ -153,16 +157,15 @@ def test_bf16_lora_weights_under_fp32_model_match_peft(
             max_cpu_loras=2,
             max_num_seqs=8,
             block_size=4,
-            lora_dtype="bfloat16",
+            lora_dtype=lora_dtype,
         )
     )
     assert engine.model_runner.dtype == torch.float32
     assert all(
-        lin.lora.a.dtype == torch.bfloat16
-        for lin in engine.model_runner.model.lora_linears().values()
+        lin.lora.a.dtype == dtype for lin in engine.model_runner.model.lora_linears().values()
     )
-    ours = check_parity(tiny_model_dir, adapters, engine, lora_round=torch.bfloat16)
-    assert bool(op_calls) == (cpu_kernel == "on")
+    ours = check_parity(tiny_model_dir, adapters, engine, lora_round=dtype)
+    assert bool(op_calls) == (cpu_kernel == "on" and lora_dtype == "bfloat16")
     # the rounding is real: fp32 slots give other tokens somewhere in this workload
     fp32 = LLMEngine(
         EngineConfig(
