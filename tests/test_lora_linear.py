@@ -169,6 +169,30 @@ def test_bf16_weights_under_fp32_activations(monkeypatch, mode, widths_key, layo
         assert len(calls) == 2 * (layout in CPU_KERNEL_LAYOUTS)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rank,widths", [(3, [20]), (3, [20, 7, 7]), (1, [33]), (5, [16, 16])])
+def test_cpu_kernel_odd_ranks_and_token_counts(dtype, rank, widths):
+    """The kernel's row blocks (4 weight rows at a time, then single rows) and token blocks
+    (1-4 tokens as constants) at ranks whose S * R is no multiple of 4, every token count a
+    slot can have up to 9, hidden sizes with a tail past the 16-float vectors."""
+    op = cpu_kernel.cpu_lora_op()
+    assert op is not None
+    gen = torch.Generator().manual_seed(rank * 100 + len(widths))
+    hidden_in, num_slots = 37, 4
+    w = SlotWeights.zeros(num_slots, rank, hidden_in, widths, dtype=dtype)
+    w.a.copy_(torch.randn(w.a.shape, generator=gen))
+    w.b_t.copy_(torch.randn(w.b_t.shape, generator=gen))
+    wide = SlotWeights(w.a.float(), w.b_t.float(), w.widths)
+    slots = torch.tensor([s for s, n in [(0, 1), (1, 2), (2, 9), (3, 6)] for _ in range(n)])
+    x = torch.randn(len(slots), hidden_in, generator=gen)
+    y = torch.randn(len(slots), sum(widths), generator=gen)
+    ref = lora_expand_ref(lora_shrink_ref(x, wide.lora_a, slots), wide.lora_b, slots, y)
+    meta = LoRABatchMeta.build(slots.to(torch.int32), num_slots)
+    assert meta.tokens_sorted  # the kernel's contract: each slot's tokens one run of rows
+    op(x, w.a, w.b_t, meta.segments, w.widths, y)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+
+
 def test_cpu_kernel_rejects_bad_arguments():
     op = cpu_kernel.cpu_lora_op()
     assert op is not None
