@@ -42,7 +42,7 @@ if torch.cuda.is_available():
 EOF
 
 if [[ "${1:-}" == "--dry-run" ]]; then
-    step dry_run 120 env TRITON_INTERPRET=1 "$PY" benchmarks/kernels.py --tiny --interpret
+    step dry_run 120 env TRITON_INTERPRET=1 "$PY" benchmarks/lora_kernels.py --tiny --interpret
     STEPS=(dry_run)
 else
     "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {
@@ -59,8 +59,8 @@ else
     else
         echo "no $MODEL_LIKE/config.json: lora_overhead and engine_throughput skipped"
     fi
-    step correctness 150 "$PY" benchmarks/kernels.py --check
-    step timings 60 "$PY" benchmarks/kernels.py --no-check --model llama3-8b --dtype bfloat16
+    step correctness 150 "$PY" benchmarks/lora_kernels.py --check
+    step timings 60 "$PY" benchmarks/lora_kernels.py --no-check --model llama3-8b --dtype bfloat16
     STEPS+=(correctness timings)
     if [[ -f $MODEL_LIKE/config.json ]]; then
         step engine_throughput 60 "$PY" benchmarks/engine_throughput.py --model "$RANDOM_MODEL"

@@ -1,9 +1,9 @@
 """Benchmark (and check) lora_shrink / lora_expand at real model shapes.
 
-    python benchmarks/kernels.py                      # CUDA: Llama-3-8B shapes, triton vs torch
-    python benchmarks/kernels.py --model smollm2 --strategies   # CPU: torch strategies
-    python benchmarks/kernels.py --check              # correctness only (device vs fp32 ref)
-    python benchmarks/kernels.py --tiny --interpret   # dry run on CPU, triton interpreter, < 60 s
+    python benchmarks/lora_kernels.py                      # CUDA: Llama-3-8B shapes, triton vs torch
+    python benchmarks/lora_kernels.py --model smollm2 --strategies   # CPU: torch strategies
+    python benchmarks/lora_kernels.py --check              # correctness only (device vs fp32 ref)
+    python benchmarks/lora_kernels.py --tiny --interpret   # dry run on CPU, triton interpreter, < 60 s
 
 On CUDA: CUDA events, median of --iters runs (on CPU: the min, cores are shared); the device copy bandwidth is measured in
 the same run and each op's achieved bandwidth (bytes of weights + activations it must

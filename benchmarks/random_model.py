@@ -15,8 +15,8 @@ import shutil
 import sys
 from pathlib import Path
 
-# Not benchmarks/ first on the path: transformers probes for a package named `kernels`, and
-# benchmarks/kernels.py would shadow the project's (a circular import).
+# The repository root first on the path, not benchmarks/: transformers probes for a package
+# named `kernels`, and it must find the project's (a benchmarks/kernels.py once shadowed it).
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")

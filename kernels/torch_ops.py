@@ -1,7 +1,7 @@
 """Torch implementations of lora_shrink / lora_expand (the CPU path) and the fp32 references.
 
 The fast ops pick a strategy per call with a small cost model (constants measured on
-CPU, see benchmarks/kernels.py):
+CPU, see benchmarks/lora_kernels.py):
 
 - shrink "dense": one GEMM of the adapter tokens against all L slots of a slice
   (`lora_a[s].view(L * R, H_in)`, no weight copy), then keep each token's own R

@@ -306,5 +306,7 @@ def test_interpret_env_set_after_import():
 
 @pytest.mark.timeout(180)
 def test_benchmark_dry_run():
-    out = _run(["benchmarks/kernels.py", "--tiny", "--interpret"], dict(os.environ), timeout=170)
+    out = _run(
+        ["benchmarks/lora_kernels.py", "--tiny", "--interpret"], dict(os.environ), timeout=170
+    )
     assert "all checks passed" in out
