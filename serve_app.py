@@ -7,7 +7,8 @@
 `build_app(args)` takes string arguments (as `serve run` passes them; a Serve config file
 may pass typed values). Engine arguments (EngineConfig fields): model, max_loras,
 max_lora_rank, max_cpu_loras, max_num_seqs, max_num_batched_tokens, max_model_len,
-block_size, num_kv_blocks, kv_cache_memory_gb, lora_backend, lora_dtype, dtype, device, seed.
+block_size, num_kv_blocks, kv_cache_memory_gb, lora_backend, lora_dtype, lora_starvation_steps,
+enable_lora, max_n, tokenizer, dtype, device, seed (every EngineConfig field).
 Application arguments: see APP_ARGS below and docs/serving.md.
 
 Importing this module is cheap: no model, no adapter and no Ray cluster is touched until
@@ -75,6 +76,10 @@ ENGINE_ARGS: dict[str, Any] = {
     "kv_cache_memory_gb": float,
     "lora_backend": str,
     "lora_dtype": str,
+    "lora_starvation_steps": int,
+    "enable_lora": _bool,
+    "max_n": int,
+    "tokenizer": str,
     "dtype": str,
     "device": str,
     "seed": int,

@@ -495,6 +495,26 @@ def test_build_app_args():
     assert serve_app.build_app({"num_replicas": "1"}) is not None
 
 
+def test_build_app_takes_every_engine_config_field():
+    import dataclasses
+
+    import serve_app
+    from engine.config import EngineConfig
+
+    fields = {f.name for f in dataclasses.fields(EngineConfig) if f.init}
+    assert set(serve_app.ENGINE_ARGS) == fields
+    engine, _ = serve_app.parse_args(
+        {"lora_dtype": "bfloat16", "enable_lora": "false", "lora_starvation_steps": "8"}
+    )
+    assert engine == {
+        "model": "default",
+        "lora_dtype": "bfloat16",
+        "enable_lora": False,
+        "lora_starvation_steps": 8,
+    }
+    EngineConfig(**engine)  # the parsed values are what EngineConfig takes
+
+
 def test_demo_root_matches_engine():
     import serve_app
     from engine.lora.demo import adapters_dir
