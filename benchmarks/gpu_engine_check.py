@@ -21,12 +21,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from engine import LLMEngine, SamplingParams  # noqa: E402
 from tests.lora_fixtures import make_adapter_set  # noqa: E402
 from tests.model_fixtures import make_tiny_llama  # noqa: E402
 from tests.test_lora_engine import (  # noqa: E402
     check_parity,
     lora_requests,
+    parity_engine,
     peft_references,
     run_checked,
     workload,
@@ -34,19 +35,7 @@ from tests.test_lora_engine import (  # noqa: E402
 
 
 def engine_for(model_dir: str, dtype: str, device: str) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model=model_dir,
-            max_loras=2,
-            max_lora_rank=16,
-            max_cpu_loras=2,
-            max_num_seqs=8,
-            block_size=4,
-            device=device,
-            dtype=dtype,
-            lora_backend="triton",
-        )
-    )
+    return parity_engine(model_dir, device=device, dtype=dtype, lora_backend="triton")
 
 
 def main(argv: list[str] | None = None) -> int:

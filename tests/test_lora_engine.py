@@ -103,6 +103,23 @@ def check_parity(model_dir, adapters, engine, max_tokens=10, lora_round=None):
     return ours
 
 
+def parity_engine(model_dir: str, **overrides) -> LLMEngine:
+    """The engine of the three-adapter parity workload: two slots and a CPU cache of two for
+    three adapters (deferrals, slot swaps and CPU evictions), small KV blocks. overrides:
+    any other EngineConfig field (lora_dtype, device, dtype, lora_backend...)."""
+    return LLMEngine(
+        EngineConfig(
+            model=model_dir,
+            max_loras=2,
+            max_lora_rank=16,
+            max_cpu_loras=2,
+            max_num_seqs=8,
+            block_size=4,
+            **overrides,
+        )
+    )
+
+
 @pytest.mark.parametrize("cpu_kernel", ["on", "off"])
 def test_three_adapters_two_slots_match_peft(tiny_model_dir, adapters, monkeypatch, cpu_kernel):
     """Decode batches go to the C++ CPU kernel when it is on, to torch ops when it is off
@@ -118,16 +135,7 @@ def test_three_adapters_two_slots_match_peft(tiny_model_dir, adapters, monkeypat
         return real(x, weight, bias, w, meta, backend)
 
     monkeypatch.setattr(llama, "linear_with_lora", spy)
-    engine = LLMEngine(
-        EngineConfig(
-            model=tiny_model_dir,
-            max_loras=2,
-            max_lora_rank=16,
-            max_cpu_loras=2,
-            max_num_seqs=8,
-            block_size=4,
-        )
-    )
+    engine = parity_engine(tiny_model_dir)
     check_parity(tiny_model_dir, adapters, engine)
     assert engine.model_runner.lora_manager.num_cpu_evictions > 0  # CPU cache of 2 for 3
     # The runner hands the kernels each batch grouped by slot (order_by_slot), which is what
@@ -149,17 +157,7 @@ def test_narrow_lora_weights_under_fp32_model_match_peft(
     (the scalings 2, 2 and 8 are powers of two, so folding them into B rounds alike)."""
     op_calls = cpu_kernel_mode(monkeypatch, "cpu_kernel" if cpu_kernel == "on" else "torch_ops")
     dtype = getattr(torch, lora_dtype)
-    engine = LLMEngine(
-        EngineConfig(
-            model=tiny_model_dir,
-            max_loras=2,
-            max_lora_rank=16,
-            max_cpu_loras=2,
-            max_num_seqs=8,
-            block_size=4,
-            lora_dtype=lora_dtype,
-        )
-    )
+    engine = parity_engine(tiny_model_dir, lora_dtype=lora_dtype)
     assert engine.model_runner.dtype == torch.float32
     assert all(
         lin.lora.a.dtype == dtype for lin in engine.model_runner.model.lora_linears().values()
@@ -167,13 +165,10 @@ def test_narrow_lora_weights_under_fp32_model_match_peft(
     ours = check_parity(tiny_model_dir, adapters, engine, lora_round=dtype)
     assert bool(op_calls) == (cpu_kernel == "on" and lora_dtype == "bfloat16")
     # the rounding is real: fp32 slots give other tokens somewhere in this workload
-    fp32 = LLMEngine(
-        EngineConfig(
-            model=tiny_model_dir, max_loras=2, max_lora_rank=16, max_num_seqs=8, block_size=4
-        )
-    )
     reqs = workload(lora_requests(adapters))
-    exact = run_checked(fp32, reqs, SamplingParams(temperature=0, max_tokens=10), 2)
+    exact = run_checked(
+        parity_engine(tiny_model_dir), reqs, SamplingParams(temperature=0, max_tokens=10), 2
+    )
     assert exact != ours
 
 
