@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
+    import torch
+
     from engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams
     from engine.models.loader import resolve_model
     from kernels.cpu_kernel import cpu_lora_op
@@ -113,7 +115,10 @@ def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
         max_cpu_loras=max(32, n),
         max_num_seqs=max(64, args.batch, args.num_requests),
     )
-    engine = LLMEngine(EngineConfig(**config))
+    # the engines' device is "auto": CUDA when there is one
+    on_cpu = not torch.cuda.is_available()
+    dtypes = args.lora_dtypes or (["auto", "bfloat16"] if on_cpu else ["auto"])
+    engine = LLMEngine(EngineConfig(**config, lora_dtype=dtypes[0]))
     low, high = vocab_range(engine.tokenizer, engine.model_runner.args.vocab_size)
     work = make_workload(
         args.num_requests, tuple(args.prompt_len), tuple(args.output_len), low, high, args.seed
@@ -127,7 +132,6 @@ def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
         f"C++ CPU kernel {cpp})"
     )
     log(f"adapters: {n} x rank {args.rank} on {','.join(ALL_LINEARS)} (max_loras {n})")
-    dtypes = args.lora_dtypes or (["auto", "bfloat16"] if runner.device.type == "cpu" else ["auto"])
 
     # warm-up: every adapter into its slot once, and the allocator at batch size
     warm = make_workload(n, (8, 8), (4, 4), low, high, args.seed + 1)
@@ -140,9 +144,6 @@ def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
     for d in dtypes[1:]:
         engines[f"lora {d}"] = LLMEngine(EngineConfig(**config, lora_dtype=d))
         run_engine(engines[f"lora {d}"], warm, loras, desc=f"warm-up lora_dtype {d}")
-    if dtypes[0] != "auto":
-        engines["lora"] = engine = LLMEngine(EngineConfig(**config, lora_dtype=dtypes[0]))
-        run_engine(engine, warm, loras, desc=f"warm-up lora_dtype {dtypes[0]}")
     labels = {
         k: "base" if k == "base" else f"LoRA, lora_dtype {k[5:] or dtypes[0]}" for k in engines
     }
