@@ -5,7 +5,7 @@
 //
 // for every token t of every active slot (tokens grouped by slot: slot i owns rows
 // starts[i] .. starts[i] + counts[i] of x and y). Decode with many adapters is bound by reading
-// the adapters' weights; this reads each weight once, in address order, with the slot's few
+// the adapters' weights; this reads each weight once, with the slot's few
 // tokens in registers, where torch's batched GEMM streams the expand's weights at about half
 // the memory bandwidth (docs/benchmarks.md). The weights are float32 or bfloat16 (the engine's
 // lora_dtype; bf16 halves the bytes read, widened to fp32 in registers, fp32 math); x and y are
@@ -65,6 +65,10 @@ void shrink(const W* a_slot, int64_t SR, int64_t H, const float* x, int64_t x_st
 }
 
 // y[t0 + t, offs[s]:offs[s+1]] += sum_r buf[t * SR + s * R + r] * bt_slot[r, offs[s]:offs[s+1]]
+// Column block by column block: each token's 16 outputs stay in a register while the R rows'
+// weights for that block stream in (R short interleaved streams through the slot's [R, H_out]
+// block), so y is loaded and stored once per block instead of once per rank row. The sum runs
+// over r in order, as a row-by-row axpy would.
 template <typename W>
 void expand_add(const W* bt_slot, int64_t R, int64_t H_out, const std::vector<int64_t>& offs,
                 const float* buf, int64_t SR, float* y, int64_t y_stride, int64_t t0, int64_t n) {
@@ -73,19 +77,25 @@ void expand_add(const W* bt_slot, int64_t R, int64_t H_out, const std::vector<in
     const int nt = static_cast<int>(std::min<int64_t>(kTok, n - tb));
     float* yr[kTok];
     for (int t = 0; t < nt; ++t) yr[t] = y + (t0 + tb + t) * y_stride;
-    for (int64_t r = 0; r < R; ++r) {
-      const W* row = bt_slot + r * H_out;
-      for (int64_t s = 0; s < S; ++s) {
-        float coef[kTok];
-        for (int t = 0; t < nt; ++t) coef[t] = buf[(tb + t) * SR + s * R + r];
-        int64_t c = offs[s];
-        for (; c + 16 <= offs[s + 1]; c += 16) {
-          const v16 w = load(row + c);
-          for (int t = 0; t < nt; ++t) store(yr[t] + c, load(yr[t] + c) + coef[t] * w);
+    for (int64_t s = 0; s < S; ++s) {
+      const float* cf[kTok];
+      for (int t = 0; t < nt; ++t) cf[t] = buf + (tb + t) * SR + s * R;
+      int64_t c = offs[s];
+      for (; c + 16 <= offs[s + 1]; c += 16) {
+        v16 acc[kTok];
+        for (int t = 0; t < nt; ++t) acc[t] = load(yr[t] + c);
+        for (int64_t r = 0; r < R; ++r) {
+          const v16 w = load(bt_slot + r * H_out + c);
+          for (int t = 0; t < nt; ++t) acc[t] += cf[t][r] * w;
         }
-        for (; c < offs[s + 1]; ++c)
-          for (int t = 0; t < nt; ++t) yr[t][c] += coef[t] * scalar(row[c]);
+        for (int t = 0; t < nt; ++t) store(yr[t] + c, acc[t]);
       }
+      for (; c < offs[s + 1]; ++c)
+        for (int t = 0; t < nt; ++t) {
+          float v = yr[t][c];
+          for (int64_t r = 0; r < R; ++r) v += cf[t][r] * scalar(bt_slot[r * H_out + c]);
+          yr[t][c] = v;
+        }
     }
   }
 }
@@ -96,7 +106,7 @@ void run(const at::Tensor& x, const W* ap, const W* bp, const int64_t* slot,
          int64_t H_out, const std::vector<int64_t>& offs, at::Tensor& y) {
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // One slot per work item: its A rows, then its B^T rows, each read once in address order.
+  // One slot per work item: its A rows, then its B^T block, each weight read once.
   at::parallel_for(0, A, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     for (int64_t i = begin; i < end; ++i) {
