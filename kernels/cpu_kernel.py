@@ -2,7 +2,8 @@
 cpp_extension (g++ and ninja) and cached on disk; None where it cannot be built.
 
     op = cpu_lora_op()          # torch.ops.raylora_cpu.lora_add, or None
-    op(x, a, b_t, segments, widths, y)
+    op(x, a, b_t, segments, widths, y)                  # y += the LoRA of x
+    y = cpu_linear_lora_op()(x, weight, bias, a, b_t, segments, widths)  # F.linear, then that
 
 The torch path of `lora_linear` uses it for decode-shaped batches (few tokens per adapter),
 where reading every active adapter's weights is the whole cost and torch's batched GEMM reads
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "lora_cpu.cpp"
 _lock = threading.Lock()
-_state: dict[str, Callable[..., None] | None] = {}
+_state: dict[str, object] = {}
 
 
 def enabled() -> bool:
@@ -49,7 +50,7 @@ def _cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:10]
 
 
-def _build() -> Callable[..., None]:
+def _build() -> object:
     from torch.utils import cpp_extension
 
     try:  # the ninja wheel's binary, for processes whose PATH lacks the venv's bin folder
@@ -78,19 +79,33 @@ def _build() -> Callable[..., None]:
     )
     if fresh:
         log.warning("raylora: CPU LoRA kernel built in %.1f s", time.perf_counter() - t0)
-    return torch.ops.raylora_cpu.lora_add
+    return torch.ops.raylora_cpu
+
+
+def _ops() -> object | None:
+    """The kernel's ops namespace, built on the first call (thread-safe); None if off or
+    unbuildable."""
+    if not enabled():
+        return None
+    if "ops" not in _state:
+        with _lock:
+            if "ops" not in _state:
+                try:
+                    _state["ops"] = _build()
+                except Exception as e:  # no compiler, no headers, a failed build: torch path
+                    log.warning("raylora: CPU LoRA kernel unavailable, using torch ops: %s", e)
+                    _state["ops"] = None
+    return _state["ops"]
 
 
 def cpu_lora_op() -> Callable[..., None] | None:
-    """The kernel's op, built on the first call (thread-safe); None if off or unbuildable."""
-    if not enabled():
-        return None
-    if "op" not in _state:
-        with _lock:
-            if "op" not in _state:
-                try:
-                    _state["op"] = _build()
-                except Exception as e:  # no compiler, no headers, a failed build: torch path
-                    log.warning("raylora: CPU LoRA kernel unavailable, using torch ops: %s", e)
-                    _state["op"] = None
-    return _state["op"]
+    """`lora_add(x, a, b_t, segments, widths, y)`: y += the LoRA of x; None if off."""
+    ops = _ops()
+    return None if ops is None else ops.lora_add
+
+
+def cpu_linear_lora_op() -> Callable[..., torch.Tensor] | None:
+    """`linear_lora(x, weight, bias, a, b_t, segments, widths)`: F.linear(x, weight, bias)
+    plus the LoRA of x, one call; None if off."""
+    ops = _ops()
+    return None if ops is None else ops.linear_lora

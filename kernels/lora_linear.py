@@ -26,13 +26,13 @@ has an adapter: the LoRA delta comes first and the base GEMM accumulates onto it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_kernel import cpu_lora_op
+from kernels.cpu_kernel import cpu_linear_lora_op, cpu_lora_op
 from kernels.lora_expand import lora_expand
 from kernels.lora_shrink import lora_shrink
 from kernels.metadata import LoRABatchMeta
@@ -139,17 +139,16 @@ def linear_with_lora(
     On the torch path, when every token has an adapter and the tokens come in equal runs per
     slot (a decode batch, ordered by the model runner), the delta is computed first and the
     base GEMM accumulates onto it (addmm with beta=1): y is written once, with no add pass.
-    Batches the C++ CPU kernel takes: F.linear, then the kernel adds into y in the same pass
-    that reads the weights (asked once here, not again through `lora_linear`: this runs for
-    every LoRA linear of every step). Otherwise (prefill-sized outputs) F.linear, then
-    `lora_linear` adds into its output.
+    Batches the C++ CPU kernel takes: its `linear_lora` op, F.linear and then the kernel adding
+    into y, in one call from Python (this runs for every LoRA linear of every step; each call
+    has a fixed cost). Otherwise (prefill-sized outputs) F.linear, then `lora_linear` adds
+    into its output.
     """
     torch_path = not meta.no_lora and resolve_backend(backend, x) == "torch"
-    op = _cpu_kernel(x, x, w, meta) if torch_path else None  # x stands in for F.linear's y
-    if op is not None:
-        y = F.linear(x, weight, bias)
-        op(x, w.a, w.b_t, meta.segments, w.widths, y)
-        return y
+    if torch_path and _cpu_kernel_takes(x, x, w, meta):  # x stands in for F.linear's y
+        op = cpu_linear_lora_op()
+        if op is not None:
+            return op(x, weight, bias, w.a, w.b_t, meta.segments, w.widths)
     if (
         torch_path
         and meta.uniform
@@ -172,7 +171,7 @@ def lora_linear_torch(
     """Torch path of `lora_linear` (arguments already checked)."""
     if meta.no_lora:
         return
-    op = _cpu_kernel(x, y, w, meta)
+    op = cpu_lora_op() if _cpu_kernel_takes(x, y, w, meta) else None
     if op is not None:
         op(x, w.a, w.b_t, meta.segments, w.widths, y)
         return
@@ -198,13 +197,13 @@ def lora_linear_torch(
     _add_rows(y, meta, slice(0, num_lora), delta.index_select(0, meta.padded_rows))
 
 
-def _cpu_kernel(
+def _cpu_kernel_takes(
     x: torch.Tensor, y: torch.Tensor, w: SlotWeights, meta: LoRABatchMeta
-) -> Callable[..., None] | None:
-    """The C++ CPU kernel's op if it is built and takes this batch: fp32 activations on the
-    CPU, fp32 or bf16 weights, tokens grouped by slot, few tokens a slot (decode), rows
-    contiguous; else None."""
-    if not (
+) -> bool:
+    """Whether the C++ CPU kernel takes this batch (where it is built): fp32 activations on
+    the CPU, fp32 or bf16 weights, tokens grouped by slot, few tokens a slot (decode), rows
+    contiguous."""
+    return (
         meta.tokens_sorted
         and meta.max_tokens_per_slot <= _CPU_KERNEL_MAX_TOKENS
         and x.device.type == "cpu"
@@ -212,9 +211,7 @@ def _cpu_kernel(
         and w.a.dtype in (torch.float32, torch.bfloat16)
         and x.stride(1) == 1
         and y.stride(1) == 1
-    ):
-        return None
-    return cpu_lora_op()
+    )
 
 
 def _uniform_delta(x: torch.Tensor, w: SlotWeights, meta: LoRABatchMeta) -> torch.Tensor:

@@ -67,23 +67,23 @@ def make_adapter_set(model_dir: str, root: Path, std: float = 0.2) -> dict[str, 
 def cpu_kernel_mode(monkeypatch, mode: str) -> list | None:
     """The torch path with the C++ CPU kernel on ("cpu_kernel": it must build here, g++ is on
     every machine this runs on) or off ("torch_ops": RAYLORA_CPU_KERNEL=0). Returns the list
-    its op calls append to, or None when off."""
+    its ops' calls (`lora_add` and `linear_lora`) append their names to, or None when off."""
     if mode == "torch_ops":
         monkeypatch.setenv("RAYLORA_CPU_KERNEL", "0")
-        assert cpu_kernel.cpu_lora_op() is None
+        assert cpu_kernel.cpu_lora_op() is None and cpu_kernel.cpu_linear_lora_op() is None
         return None
     assert mode == "cpu_kernel"
     monkeypatch.delenv("RAYLORA_CPU_KERNEL", raising=False)
-    op = cpu_kernel.cpu_lora_op()
-    assert op is not None, "the C++ CPU kernel did not build (see the logged warning)"
     calls = []
-
-    def counted(*args):
-        calls.append(1)
-        return op(*args)
-
     # `kernels.lora_linear` is also the name of the op, hence import_module for the module
-    monkeypatch.setattr(
-        importlib.import_module("kernels.lora_linear"), "cpu_lora_op", lambda: counted
-    )
+    module = importlib.import_module("kernels.lora_linear")
+    for getter in ("cpu_lora_op", "cpu_linear_lora_op"):
+        op = getattr(cpu_kernel, getter)()
+        assert op is not None, "the C++ CPU kernel did not build (see the logged warning)"
+
+        def counted(*args, op=op, name=getter):
+            calls.append(name)
+            return op(*args)
+
+        monkeypatch.setattr(module, getter, lambda counted=counted: counted)
     return calls

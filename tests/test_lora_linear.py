@@ -133,8 +133,8 @@ def test_linear_with_lora_matches_reference(monkeypatch, mode, bias, widths_key,
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     base_rows = (slots < 0).nonzero().flatten()
     assert torch.equal(y[base_rows], base[base_rows])
-    if cpu_kernel_calls is not None:
-        assert len(cpu_kernel_calls) == (layout in CPU_KERNEL_LAYOUTS)
+    if cpu_kernel_calls is not None:  # the base GEMM and the kernel in one call
+        assert cpu_kernel_calls == ["cpu_linear_lora_op"] * (layout in CPU_KERNEL_LAYOUTS)
 
 
 @pytest.mark.parametrize("mode", ["cpu_kernel", "torch_ops"])
@@ -166,7 +166,7 @@ def test_bf16_weights_under_fp32_activations(monkeypatch, mode, widths_key, layo
     base_rows = (slots < 0).nonzero().flatten()
     assert torch.equal(y[base_rows], y0[base_rows])
     if calls is not None:  # linear_with_lora and lora_linear each call it once
-        assert len(calls) == 2 * (layout in CPU_KERNEL_LAYOUTS)
+        assert calls == ["cpu_linear_lora_op", "cpu_lora_op"] * (layout in CPU_KERNEL_LAYOUTS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -9,7 +9,8 @@
 // tokens in registers, where torch's batched GEMM streams the expand's weights at about half
 // the memory bandwidth (docs/benchmarks.md). The weights are float32 or bfloat16 (the engine's
 // lora_dtype; bf16 halves the bytes read, widened to fp32 in registers, fp32 math); x and y are
-// float32. Built at run time by kernels/cpu_kernel.py.
+// float32. linear_lora runs the base layer's GEMM first, in the same call. Built at run time by
+// kernels/cpu_kernel.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -159,10 +160,27 @@ void lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b_t,
         H, R, H_out, offs, y);
 }
 
+// The base layer and its LoRA in one call: at::linear (the same GEMM F.linear runs), then
+// lora_add into its output. One call from Python per LoRA linear instead of two: in a decode
+// step a call's fixed cost (Python, the dispatcher, caches cold after the GEMM) is tens of
+// microseconds, and a step has 120 of them (docs/benchmarks.md).
+at::Tensor linear_lora(const at::Tensor& x, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias, const at::Tensor& a,
+                       const at::Tensor& b_t, const at::Tensor& segments, at::IntArrayRef widths) {
+  at::Tensor y = at::linear(x, weight, bias);
+  lora_add(x, a, b_t, segments, widths, y);
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(raylora_cpu, m) {
   m.def("lora_add(Tensor x, Tensor a, Tensor b_t, Tensor segments, int[] widths, Tensor(a!) y) -> ()");
+  m.def("linear_lora(Tensor x, Tensor weight, Tensor? bias, Tensor a, Tensor b_t, Tensor segments, "
+        "int[] widths) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(raylora_cpu, CPU, m) { m.impl("lora_add", &lora_add); }
+TORCH_LIBRARY_IMPL(raylora_cpu, CPU, m) {
+  m.impl("lora_add", &lora_add);
+  m.impl("linear_lora", &linear_lora);
+}
