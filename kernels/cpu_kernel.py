@@ -2,8 +2,9 @@
 cpp_extension (g++ and ninja) and cached on disk; None where it cannot be built.
 
     op = cpu_lora_op()          # torch.ops.raylora_cpu.lora_add, or None
-    op(x, a, b_t, segments, widths, y)                  # y += the LoRA of x
-    y = cpu_linear_lora_op()(x, weight, bias, a, b_t, segments, widths)  # F.linear, then that
+    op(x, a, b_t, segments, widths, ranks, y)           # y += the LoRA of x
+    y = cpu_linear_lora_op()(x, weight, bias, a, b_t, segments, widths, ranks)  # F.linear too
+(ranks: SlotWeights.ranks, the rows each slot's slices hold, or None for all of them)
 
 The torch path of `lora_linear` uses it for decode-shaped batches (few tokens per adapter),
 where reading every active adapter's weights is the whole cost and torch's batched GEMM reads
@@ -99,13 +100,13 @@ def _ops() -> object | None:
 
 
 def cpu_lora_op() -> Callable[..., None] | None:
-    """`lora_add(x, a, b_t, segments, widths, y)`: y += the LoRA of x; None if off."""
+    """`lora_add(x, a, b_t, segments, widths, ranks, y)`: y += the LoRA of x; None if off."""
     ops = _ops()
     return None if ops is None else ops.lora_add
 
 
 def cpu_linear_lora_op() -> Callable[..., torch.Tensor] | None:
-    """`linear_lora(x, weight, bias, a, b_t, segments, widths)`: F.linear(x, weight, bias)
+    """`linear_lora(x, weight, bias, a, b_t, segments, widths, ranks)`: F.linear(x, weight, bias)
     plus the LoRA of x, one call; None if off."""
     ops = _ops()
     return None if ops is None else ops.linear_lora

@@ -51,11 +51,16 @@ class SlotWeights:
     a: [L, S * R, H_in]; rows [s * R, (s + 1) * R) of slot l are slice s's A
     b_t: [L, R, H_out]; columns of slice s (offsets = cumulative widths) hold its B^T
     Zero-padded past each adapter's rank; a slice an adapter does not target stays zero.
+    ranks: None, or int64 [L, S] on the CPU (whatever the weights' device): how many leading
+      rows of slice s in slot l may be non-zero (the adapter's rank, 0 for an untargeted
+      slice). The C++ CPU kernel reads only those rows; the other paths read every row (the
+      rest are zeros). The LoRA manager keeps it; None means all R rows.
     """
 
     a: torch.Tensor
     b_t: torch.Tensor
     widths: list[int]
+    ranks: torch.Tensor | None = None
     lora_a: list[torch.Tensor] = field(init=False)  # per slice [L, R, H_in] views of a
     lora_b: list[torch.Tensor] = field(init=False)  # per slice [L, H_out_s, R] views of b_t
 
@@ -148,7 +153,7 @@ def linear_with_lora(
     if torch_path and _cpu_kernel_takes(x, x, w, meta):  # x stands in for F.linear's y
         op = cpu_linear_lora_op()
         if op is not None:
-            return op(x, weight, bias, w.a, w.b_t, meta.segments, w.widths)
+            return op(x, weight, bias, w.a, w.b_t, meta.segments, w.widths, w.ranks)
     if (
         torch_path
         and meta.uniform
@@ -173,7 +178,7 @@ def lora_linear_torch(
         return
     op = cpu_lora_op() if _cpu_kernel_takes(x, y, w, meta) else None
     if op is not None:
-        op(x, w.a, w.b_t, meta.segments, w.widths, y)
+        op(x, w.a, w.b_t, meta.segments, w.widths, w.ranks, y)
         return
     if w.a.dtype != x.dtype and x.device.type == "cpu":
         # lora_dtype narrower than the model's (bf16 slots, fp32 model) and a batch the C++

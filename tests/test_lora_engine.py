@@ -8,7 +8,8 @@ from transformers import AutoModelForCausalLM
 
 from engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams
 from engine.lora import errors
-from tests.lora_fixtures import cpu_kernel_mode, make_adapter_set
+from engine.models.llama import PACKED_MODULES
+from tests.lora_fixtures import ADAPTER_SPECS, cpu_kernel_mode, make_adapter_set
 from tests.reference import assert_greedy_match, hf_greedy
 
 PROMPTS = [
@@ -143,6 +144,18 @@ def test_three_adapters_two_slots_match_peft(tiny_model_dir, adapters, monkeypat
     assert metas and all(m.tokens_sorted for m in metas)
     assert any(m.num_active_slots == 2 and m.num_lora_tokens < m.num_tokens for m in metas)
     assert bool(op_calls) == (cpu_kernel == "on")
+    # each slot's ranks (what the C++ kernel reads of it): the adapter's r on the slices it
+    # targets, 0 on the others
+    manager = engine.model_runner.lora_manager
+    assert any(manager.slot_names)
+    for (_, packed), lin in manager.linears.items():
+        for slot, name in enumerate(manager.slot_names):
+            if name is not None:
+                spec = ADAPTER_SPECS[name]
+                want = [
+                    spec["r"] if m in spec["target_modules"] else 0 for m in PACKED_MODULES[packed]
+                ]
+                assert lin.lora.ranks[slot].tolist() == want, (packed, name)
 
 
 @pytest.mark.parametrize(

@@ -189,7 +189,7 @@ def test_cpu_kernel_odd_ranks_and_token_counts(dtype, rank, widths):
     ref = lora_expand_ref(lora_shrink_ref(x, wide.lora_a, slots), wide.lora_b, slots, y)
     meta = LoRABatchMeta.build(slots.to(torch.int32), num_slots)
     assert meta.tokens_sorted  # the kernel's contract: each slot's tokens one run of rows
-    op(x, w.a, w.b_t, meta.segments, w.widths, y)
+    op(x, w.a, w.b_t, meta.segments, w.widths, None, y)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
 
 
@@ -199,20 +199,59 @@ def test_cpu_kernel_rejects_bad_arguments():
     w = SlotWeights.zeros(4, 2, 8, [8, 4])
     x, y = torch.randn(3, 8), torch.zeros(3, 12)
     segments = torch.tensor([[1], [0], [3]])
-    op(x, w.a, w.b_t, segments, w.widths, y)  # fine: zero weights add nothing
+    op(x, w.a, w.b_t, segments, w.widths, None, y)  # fine: zero weights add nothing
     assert y.eq(0).all()
     with pytest.raises(RuntimeError, match="segment 0 out of range"):
-        op(x, w.a, w.b_t, torch.tensor([[4], [0], [3]]), w.widths, y)  # slot 4 of 4
+        op(x, w.a, w.b_t, torch.tensor([[4], [0], [3]]), w.widths, None, y)  # slot 4 of 4
     with pytest.raises(RuntimeError, match="segment 0 out of range"):
-        op(x, w.a, w.b_t, torch.tensor([[1], [1], [3]]), w.widths, y)  # rows 1..3 of 3
+        op(x, w.a, w.b_t, torch.tensor([[1], [1], [3]]), w.widths, None, y)  # rows 1..3 of 3
     with pytest.raises(RuntimeError, match="float32"):
-        op(x.double(), w.a, w.b_t, segments, w.widths, y)
+        op(x.double(), w.a, w.b_t, segments, w.widths, None, y)
     with pytest.raises(RuntimeError, match="must both be float32 or both bfloat16"):
-        op(x, w.a.bfloat16(), w.b_t, segments, w.widths, y)
+        op(x, w.a.bfloat16(), w.b_t, segments, w.widths, None, y)
     with pytest.raises(RuntimeError, match="must both be float32 or both bfloat16"):
-        op(x, w.a.half(), w.b_t.half(), segments, w.widths, y)
+        op(x, w.a.half(), w.b_t.half(), segments, w.widths, None, y)
     with pytest.raises(RuntimeError, match="shapes do not match"):
-        op(x, w.a, w.b_t, segments, [8, 3], y[:, :11])
+        op(x, w.a, w.b_t, segments, [8, 3], None, y[:, :11])
+    with pytest.raises(RuntimeError, match=r"ranks must be a contiguous int64 CPU tensor \[L=4"):
+        op(x, w.a, w.b_t, segments, w.widths, torch.zeros(4, 3, dtype=torch.long), y)
+    with pytest.raises(RuntimeError, match=r"ranks must be a contiguous int64"):
+        op(x, w.a, w.b_t, segments, w.widths, torch.zeros(4, 2, dtype=torch.int32), y)
+    with pytest.raises(RuntimeError, match=r"ranks must lie in \[0, 2\], got 3"):
+        op(x, w.a, w.b_t, segments, w.widths, torch.full((4, 2), 3), y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_reads_only_each_slices_rank(dtype):
+    """With `ranks`, the kernel uses the first ranks[slot, s] rows of slice s and no others: the
+    rows past them hold garbage here (the manager keeps them zero), and the result must be the
+    reference on the weights cut to those ranks, including slices of rank 0 and a slot that
+    has no slice at all. Through both ops."""
+    gen = torch.Generator().manual_seed(7)
+    widths, rank, hidden_in, num_slots = [24, 8, 8], 5, 40, 4
+    w = SlotWeights.zeros(num_slots, rank, hidden_in, widths, dtype=dtype)
+    w.a.copy_(torch.randn(w.a.shape, generator=gen))
+    w.b_t.copy_(torch.randn(w.b_t.shape, generator=gen))
+    ranks = torch.tensor([[5, 5, 5], [2, 0, 2], [0, 0, 0], [1, 4, 0]])
+    cut = SlotWeights(w.a.float().clone(), w.b_t.float().clone(), widths)
+    for slot, row in enumerate(ranks.tolist()):
+        for s, r in enumerate(row):  # zero what the kernel must not read
+            cut.lora_a[s][slot, r:] = 0
+            cut.lora_b[s][slot, :, r:] = 0
+    slots = torch.tensor([0, 0, 1, 1, 1, 2, 2, 3])
+    x = torch.randn(len(slots), hidden_in, generator=gen)
+    y = torch.randn(len(slots), sum(widths), generator=gen)
+    ref = lora_expand_ref(lora_shrink_ref(x, cut.lora_a, slots), cut.lora_b, slots, y.clone())
+    assert not torch.allclose(
+        ref, lora_expand_ref(lora_shrink_ref(x, w.lora_a, slots), w.lora_b, slots, y.clone())
+    )  # the garbage rows matter: ignoring ranks would fail
+    meta = LoRABatchMeta.build(slots.to(torch.int32), num_slots)
+    weight = torch.randn(sum(widths), hidden_in, generator=gen)
+    out = cpu_kernel.cpu_linear_lora_op()(x, weight, None, w.a, w.b_t, meta.segments, widths, ranks)
+    y0 = y.clone()
+    cpu_kernel.cpu_lora_op()(x, w.a, w.b_t, meta.segments, widths, ranks, y)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out, F.linear(x, weight) + (ref - y0), rtol=1e-5, atol=1e-4)
 
 
 def test_lora_linear_bf16_and_base_only():

@@ -43,6 +43,8 @@ class LoRAManager:
         L, R = config.max_loras, config.max_lora_rank
         for lin in linears.values():
             lin.lora = SlotWeights.zeros(L, R, lin.weight.shape[1], lin.out_sizes, device, dtype)
+            # each slot's rank per slice, for the C++ CPU kernel (SlotWeights.ranks)
+            lin.lora.ranks = torch.zeros(L, len(lin.out_sizes), dtype=torch.int64)
 
     # -- CPU cache --------------------------------------------------------------------
     def add_lora(self, lora: LoRARequest) -> LoRAAdapter:
@@ -97,6 +99,7 @@ class LoRAManager:
             for s, module in enumerate(PACKED_MODULES[packed]):
                 a_slot, b_slot = lin.lora.lora_a[s][slot], lin.lora.lora_b[s][slot]
                 w = adapter.weights.get((layer, module))
+                lin.lora.ranks[slot, s] = 0 if w is None else r
                 if w is None:
                     a_slot.zero_()
                     b_slot.zero_()

@@ -41,15 +41,16 @@ inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 inline float hsum(v16 v) { float s = 0; for (int k = 0; k < 16; ++k) s += v[k]; return s; }
 constexpr int kTok = 4;  // tokens per pass over a weight row
 
-// buf[t * SR + r] = dot(a_slot[r], x[t0 + t]) for the slot's n tokens and every row r.
+// buf[t * SR + r] = dot(a_slot[r], x[t0 + t]) for the slot's n tokens and rows r of
+// [r0, r1) (one slice's rows up to the adapter's rank).
 template <typename W>
-void shrink(const W* a_slot, int64_t SR, int64_t H, const float* x, int64_t x_stride,
-            int64_t t0, int64_t n, float* buf) {
+void shrink(const W* a_slot, int64_t SR, int64_t r0, int64_t r1, int64_t H, const float* x,
+            int64_t x_stride, int64_t t0, int64_t n, float* buf) {
   for (int64_t tb = 0; tb < n; tb += kTok) {
     const int nt = static_cast<int>(std::min<int64_t>(kTok, n - tb));
     const float* xr[kTok];
     for (int t = 0; t < nt; ++t) xr[t] = x + (t0 + tb + t) * x_stride;
-    for (int64_t r = 0; r < SR; ++r) {
+    for (int64_t r = r0; r < r1; ++r) {
       const W* row = a_slot + r * H;
       v16 acc[kTok] = {};
       float tail[kTok] = {};
@@ -65,27 +66,30 @@ void shrink(const W* a_slot, int64_t SR, int64_t H, const float* x, int64_t x_st
   }
 }
 
-// y[t0 + t, offs[s]:offs[s+1]] += sum_r buf[t * SR + s * R + r] * bt_slot[r, offs[s]:offs[s+1]]
+// y[t0 + t, offs[s]:offs[s+1]] += sum_{r < rk[s]} buf[t * SR + s * R + r] * bt_slot[r, offs[s]:offs[s+1]]
 // Column block by column block: each token's 16 outputs stay in a register while the R rows'
 // weights for that block stream in (R short interleaved streams through the slot's [R, H_out]
 // block), so y is loaded and stored once per block instead of once per rank row. The sum runs
 // over r in order, as a row-by-row axpy would.
 template <typename W>
-void expand_add(const W* bt_slot, int64_t R, int64_t H_out, const std::vector<int64_t>& offs,
-                const float* buf, int64_t SR, float* y, int64_t y_stride, int64_t t0, int64_t n) {
+void expand_add(const W* bt_slot, const int64_t* rk, int64_t H_out,
+                const std::vector<int64_t>& offs, const float* buf, int64_t SR, int64_t R,
+                float* y, int64_t y_stride, int64_t t0, int64_t n) {
   const int64_t S = static_cast<int64_t>(offs.size()) - 1;
   for (int64_t tb = 0; tb < n; tb += kTok) {
     const int nt = static_cast<int>(std::min<int64_t>(kTok, n - tb));
     float* yr[kTok];
     for (int t = 0; t < nt; ++t) yr[t] = y + (t0 + tb + t) * y_stride;
     for (int64_t s = 0; s < S; ++s) {
+      const int64_t rs = rk[s];
+      if (rs == 0) continue;
       const float* cf[kTok];
       for (int t = 0; t < nt; ++t) cf[t] = buf + (tb + t) * SR + s * R;
       int64_t c = offs[s];
       for (; c + 16 <= offs[s + 1]; c += 16) {
         v16 acc[kTok];
         for (int t = 0; t < nt; ++t) acc[t] = load(yr[t] + c);
-        for (int64_t r = 0; r < R; ++r) {
+        for (int64_t r = 0; r < rs; ++r) {
           const v16 w = load(bt_slot + r * H_out + c);
           for (int t = 0; t < nt; ++t) acc[t] += cf[t][r] * w;
         }
@@ -94,34 +98,45 @@ void expand_add(const W* bt_slot, int64_t R, int64_t H_out, const std::vector<in
       for (; c < offs[s + 1]; ++c)
         for (int t = 0; t < nt; ++t) {
           float v = yr[t][c];
-          for (int64_t r = 0; r < R; ++r) v += cf[t][r] * scalar(bt_slot[r * H_out + c]);
+          for (int64_t r = 0; r < rs; ++r) v += cf[t][r] * scalar(bt_slot[r * H_out + c]);
           yr[t][c] = v;
         }
     }
   }
 }
 
+// ranks: [L, S], the rows of each slot's slices that hold weights (an adapter's rank, 0 for
+// a slice it does not target; the rows past it are zero), or null for all R rows. Rows past a
+// slice's rank are neither read nor added: a rank-8 adapter on q and v only, in slots sized
+// for rank 16 on seven modules, reads a tenth of the bytes.
 template <typename W>
 void run(const at::Tensor& x, const W* ap, const W* bp, const int64_t* slot,
-         const int64_t* start, const int64_t* count, int64_t A, int64_t SR, int64_t H, int64_t R,
-         int64_t H_out, const std::vector<int64_t>& offs, at::Tensor& y) {
+         const int64_t* start, const int64_t* count, const int64_t* ranks, int64_t A,
+         int64_t SR, int64_t H, int64_t R, int64_t H_out, const std::vector<int64_t>& offs,
+         at::Tensor& y) {
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const int64_t S = static_cast<int64_t>(offs.size()) - 1;
+  const std::vector<int64_t> full(S, R);
   // One slot per work item: its A rows, then its B^T block, each weight read once.
   at::parallel_for(0, A, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     for (int64_t i = begin; i < end; ++i) {
-      if (count[i] == 0) continue;
+      const int64_t* rk = ranks != nullptr ? ranks + slot[i] * S : full.data();
+      if (count[i] == 0 || std::all_of(rk, rk + S, [](int64_t r) { return r == 0; })) continue;
       buf.assign(count[i] * SR, 0.f);
-      shrink(ap + slot[i] * SR * H, SR, H, xp, x.stride(0), start[i], count[i], buf.data());
-      expand_add(bp + slot[i] * R * H_out, R, H_out, offs, buf.data(), SR, yp, y.stride(0),
-                 start[i], count[i]);
+      for (int64_t s = 0; s < S; ++s)
+        shrink(ap + slot[i] * SR * H, SR, s * R, s * R + rk[s], H, xp, x.stride(0), start[i],
+               count[i], buf.data());
+      expand_add(bp + slot[i] * R * H_out, rk, H_out, offs, buf.data(), SR, R, yp,
+                 y.stride(0), start[i], count[i]);
     }
   });
 }
 
 void lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b_t,
-              const at::Tensor& segments, at::IntArrayRef widths, at::Tensor& y) {
+              const at::Tensor& segments, at::IntArrayRef widths,
+              const std::optional<at::Tensor>& ranks, at::Tensor& y) {
   TORCH_CHECK(x.dtype() == at::kFloat && y.dtype() == at::kFloat,
               "raylora_cpu.lora_add: x and y must be float32");
   TORCH_CHECK(a.dtype() == b_t.dtype() && (a.dtype() == at::kFloat || a.dtype() == at::kBFloat16),
@@ -152,12 +167,23 @@ void lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b_t,
     TORCH_CHECK(slot[i] >= 0 && slot[i] < L && start[i] >= 0 && count[i] >= 0 &&
                     start[i] + count[i] <= std::min(x.size(0), y.size(0)),
                 "segment ", i, " out of range");
+  const int64_t* rk = nullptr;
+  if (ranks.has_value()) {
+    const at::Tensor& rt = *ranks;
+    TORCH_CHECK(rt.dtype() == at::kLong && rt.device().is_cpu() && rt.is_contiguous() &&
+                    rt.dim() == 2 && rt.size(0) == L && rt.size(1) == S,
+                "ranks must be a contiguous int64 CPU tensor [L=", L, ", S=", S, "], got ",
+                rt.sizes());
+    rk = rt.data_ptr<int64_t>();
+    for (int64_t i = 0; i < L * S; ++i)
+      TORCH_CHECK(rk[i] >= 0 && rk[i] <= R, "ranks must lie in [0, ", R, "], got ", rk[i]);
+  }
   if (a.dtype() == at::kFloat)
-    run(x, a.data_ptr<float>(), b_t.data_ptr<float>(), slot, start, count, A, SR, H, R, H_out,
-        offs, y);
+    run(x, a.data_ptr<float>(), b_t.data_ptr<float>(), slot, start, count, rk, A, SR, H, R,
+        H_out, offs, y);
   else
-    run(x, a.data_ptr<at::BFloat16>(), b_t.data_ptr<at::BFloat16>(), slot, start, count, A, SR,
-        H, R, H_out, offs, y);
+    run(x, a.data_ptr<at::BFloat16>(), b_t.data_ptr<at::BFloat16>(), slot, start, count, rk, A,
+        SR, H, R, H_out, offs, y);
 }
 
 // The base layer and its LoRA in one call: at::linear (the same GEMM F.linear runs), then
@@ -166,18 +192,20 @@ void lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b_t,
 // microseconds, and a step has 120 of them (docs/benchmarks.md).
 at::Tensor linear_lora(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias, const at::Tensor& a,
-                       const at::Tensor& b_t, const at::Tensor& segments, at::IntArrayRef widths) {
+                       const at::Tensor& b_t, const at::Tensor& segments, at::IntArrayRef widths,
+                       const std::optional<at::Tensor>& ranks) {
   at::Tensor y = at::linear(x, weight, bias);
-  lora_add(x, a, b_t, segments, widths, y);
+  lora_add(x, a, b_t, segments, widths, ranks, y);
   return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(raylora_cpu, m) {
-  m.def("lora_add(Tensor x, Tensor a, Tensor b_t, Tensor segments, int[] widths, Tensor(a!) y) -> ()");
+  m.def("lora_add(Tensor x, Tensor a, Tensor b_t, Tensor segments, int[] widths, Tensor? ranks, "
+        "Tensor(a!) y) -> ()");
   m.def("linear_lora(Tensor x, Tensor weight, Tensor? bias, Tensor a, Tensor b_t, Tensor segments, "
-        "int[] widths) -> Tensor");
+        "int[] widths, Tensor? ranks) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(raylora_cpu, CPU, m) {
