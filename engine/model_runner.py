@@ -85,8 +85,10 @@ class ModelRunner:
             self.lora_manager = LoRAManager(
                 config.lora, spec, self.model.lora_linears(), self.device, self.lora_dtype
             )
-            if backend == "torch" and self.device.type == "cpu" and self.dtype == torch.float32:
-                cpu_lora_op()  # build (first time on this machine) or load it now, not mid-step
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            # the C++ CPU kernels (decode linears; LoRA on the torch backend): build them (first
+            # time on this machine) or load them now, not mid-step
+            cpu_lora_op()
 
     def _kv_bytes_per_block(self) -> int:
         a = self.args

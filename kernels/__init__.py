@@ -5,13 +5,14 @@
     lora_expand(buf, [b_q, b_k, b_v], meta, y)           # y[:, q|k|v] += ...
     lora_linear(x, y, slot_weights, meta)                # both, fused on the torch path
     y = linear_with_lora(x, weight, bias, slot_weights, meta)   # the base linear too
+    y = base_linear(x, weight, bias)                     # F.linear (C++ decode GEMM on CPU)
 
 Each op has a Triton implementation (CUDA, or CPU under TRITON_INTERPRET=1) and a
 torch implementation (the CPU path); `*_ref` are slow fp32 references for tests.
 """
 
 from kernels.lora_expand import lora_expand
-from kernels.lora_linear import SlotWeights, linear_with_lora, lora_linear
+from kernels.lora_linear import SlotWeights, base_linear, linear_with_lora, lora_linear
 from kernels.lora_shrink import lora_shrink
 from kernels.metadata import LoRABatchMeta
 from kernels.torch_ops import lora_expand_ref, lora_shrink_ref
@@ -19,6 +20,7 @@ from kernels.torch_ops import lora_expand_ref, lora_shrink_ref
 __all__ = [
     "LoRABatchMeta",
     "SlotWeights",
+    "base_linear",
     "linear_with_lora",
     "lora_expand",
     "lora_expand_ref",

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_kernel import cpu_linear_lora_op, cpu_lora_op
+from kernels.cpu_kernel import cpu_linear_lora_op, cpu_linear_op, cpu_lora_op
 from kernels.lora_expand import lora_expand
 from kernels.lora_shrink import lora_shrink
 from kernels.metadata import LoRABatchMeta
@@ -165,9 +165,20 @@ def linear_with_lora(
         if bias is not None:
             delta.add_(bias)
         return delta.addmm_(x, weight.t())
-    y = F.linear(x, weight, bias)
+    y = base_linear(x, weight, bias)
     lora_linear(x, y, w, meta, backend)
     return y
+
+
+def base_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias); float32 on the CPU through the C++ `linear` where it is built
+    (kernels/cpu_kernel.py: decode-sized batches split by output columns between the threads,
+    the rest handed to F.linear's own kernel)."""
+    if x.dtype == torch.float32 and x.device.type == "cpu":
+        op = cpu_linear_op()
+        if op is not None:
+            return op(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def lora_linear_torch(

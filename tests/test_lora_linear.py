@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from kernels import (
     LoRABatchMeta,
     SlotWeights,
+    base_linear,
     cpu_kernel,
     linear_with_lora,
     lora_expand_ref,
@@ -116,7 +117,8 @@ def test_linear_with_lora_matches_reference(monkeypatch, mode, bias, widths_key,
     x = torch.randn(len(slots), w.a.shape[2], generator=gen)
     weight = torch.randn(sum(w.widths), w.a.shape[2], generator=gen)
     b = torch.randn(sum(w.widths), generator=gen) if bias else None
-    base = F.linear(x, weight, b)
+    base = base_linear(x, weight, b)  # the model's base GEMM (C++ on the CPU where built)
+    torch.testing.assert_close(base, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
     ref = lora_expand_ref(lora_shrink_ref(x, w.lora_a, slots), w.lora_b, slots, base.clone())
     # The C++ kernel's batches go straight to it; without it, a batch whose every token has an
     # adapter, in equal runs per slot (decode), takes the addmm path. Neither calls
@@ -285,3 +287,32 @@ def test_meta_slot_runs():
     meta = LoRABatchMeta.build(torch.tensor([4, 0, -1, 1, 3, 0, 4]), 6)
     assert meta.active_slots_list == (0, 1, 3, 4)
     assert meta.active_slot_runs == ((0, 2, 0), (3, 5, 2))  # slots 0-1 and 3-4
+
+
+@pytest.mark.parametrize("rows", [1, 3, 32, 128, 129])
+@pytest.mark.parametrize("out_features,in_features", [(1, 5), (17, 40), (960, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_cpu_linear_matches_f_linear(rows, out_features, in_features, bias):
+    """raylora_cpu::linear (the decode GEMM split by output columns, <= 128 rows; at::linear
+    beyond) against F.linear: x a view with a row stride past its width, one and two threads,
+    N not a multiple of the 16-column blocks."""
+    op = cpu_kernel.cpu_linear_op()
+    assert op is not None
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features + 3, generator=gen)[:, :in_features]
+    weight = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            torch.testing.assert_close(
+                op(x, weight, b), F.linear(x, weight, b), rtol=1e-5, atol=1e-5
+            )
+    finally:
+        torch.set_num_threads(threads)
+    # other dtypes go to at::linear
+    torch.testing.assert_close(
+        op(x.double(), weight.double(), None), F.linear(x.double(), weight.double())
+    )
+    assert base_linear(x, weight, b).shape == (rows, out_features)

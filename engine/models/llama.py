@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
-from kernels import LoRABatchMeta, SlotWeights, linear_with_lora
+from kernels import LoRABatchMeta, SlotWeights, base_linear, linear_with_lora
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -107,7 +107,7 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         meta = ctx.lora
         if meta is None or meta.no_lora or self.lora is None:
-            return F.linear(x, self.weight, self.bias)
+            return base_linear(x, self.weight, self.bias)
         return linear_with_lora(x, self.weight, self.bias, self.lora, meta, ctx.lora_backend)
 
 
@@ -219,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, ctx)
         # lm_head only on the rows that sample: the vocab projection dominates small batches
-        return self.lm_head(self.norm(x[sample_rows])).float()
+        return base_linear(self.norm(x[sample_rows]), self.lm_head.weight, None).float()
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy HF-named weights in, packing q/k/v and gate/up."""

@@ -15,6 +15,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "linear_cpu.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -186,22 +188,23 @@ void lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b_t,
         SR, H, R, H_out, offs, y);
 }
 
-// The base layer and its LoRA in one call: at::linear (the same GEMM F.linear runs), then
-// lora_add into its output. One call from Python per LoRA linear instead of two: in a decode
+// The base layer and its LoRA in one call: the base GEMM (raylora::linear, linear_cpu.cpp: the
+// decode GEMM split by output columns between the threads, else at::linear), then lora_add
+// into its output. One call from Python per LoRA linear instead of two: in a decode
 // step a call's fixed cost (Python, the dispatcher, caches cold after the GEMM) is tens of
 // microseconds, and a step has 120 of them (docs/benchmarks.md).
 at::Tensor linear_lora(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias, const at::Tensor& a,
                        const at::Tensor& b_t, const at::Tensor& segments, at::IntArrayRef widths,
                        const std::optional<at::Tensor>& ranks) {
-  at::Tensor y = at::linear(x, weight, bias);
+  at::Tensor y = raylora::linear(x, weight, bias);
   lora_add(x, a, b_t, segments, widths, ranks, y);
   return y;
 }
 
 }  // namespace
 
-TORCH_LIBRARY(raylora_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(raylora_cpu, m) {
   m.def("lora_add(Tensor x, Tensor a, Tensor b_t, Tensor segments, int[] widths, Tensor? ranks, "
         "Tensor(a!) y) -> ()");
   m.def("linear_lora(Tensor x, Tensor weight, Tensor? bias, Tensor a, Tensor b_t, Tensor segments, "
