@@ -13,6 +13,7 @@
 // kernels/cpu_kernel.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 #include <torch/library.h>
 
 #include "linear_cpu.h"
@@ -107,38 +108,27 @@ void expand_add(const W* bt_slot, const int64_t* rk, int64_t H_out,
   }
 }
 
+// One call's operands, checked (lora_add's contract) before any thread starts.
 // ranks: [L, S], the rows of each slot's slices that hold weights (an adapter's rank, 0 for
 // a slice it does not target; the rows past it are zero), or null for all R rows. Rows past a
 // slice's rank are neither read nor added: a rank-8 adapter on q and v only, in slots sized
 // for rank 16 on seven modules, reads a tenth of the bytes.
-template <typename W>
-void run(const at::Tensor& x, const W* ap, const W* bp, const int64_t* slot,
-         const int64_t* start, const int64_t* count, const int64_t* ranks, int64_t A,
-         int64_t SR, int64_t H, int64_t R, int64_t H_out, const std::vector<int64_t>& offs,
-         at::Tensor& y) {
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t S = static_cast<int64_t>(offs.size()) - 1;
-  const std::vector<int64_t> full(S, R);
-  // One slot per work item: its A rows, then its B^T block, each weight read once.
-  at::parallel_for(0, A, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t* rk = ranks != nullptr ? ranks + slot[i] * S : full.data();
-      if (count[i] == 0 || std::all_of(rk, rk + S, [](int64_t r) { return r == 0; })) continue;
-      buf.assign(count[i] * SR, 0.f);
-      for (int64_t s = 0; s < S; ++s)
-        shrink(ap + slot[i] * SR * H, SR, s * R, s * R + rk[s], H, xp, x.stride(0), start[i],
-               count[i], buf.data());
-      expand_add(bp + slot[i] * R * H_out, rk, H_out, offs, buf.data(), SR, R, yp,
-                 y.stride(0), start[i], count[i]);
-    }
-  });
-}
+struct LoRACall {
+  const float* x;
+  int64_t x_stride;
+  const void* a;
+  const void* b_t;
+  bool bf16;
+  const int64_t *slot, *start, *count, *ranks;
+  int64_t A, SR, H, R, H_out;
+  std::vector<int64_t> offs, full_ranks;
+  float* y;
+  int64_t y_stride;
+};
 
-void lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b_t,
-              const at::Tensor& segments, at::IntArrayRef widths,
-              const std::optional<at::Tensor>& ranks, at::Tensor& y) {
+LoRACall check(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b_t,
+               const at::Tensor& segments, at::IntArrayRef widths,
+               const std::optional<at::Tensor>& ranks, at::Tensor& y) {
   TORCH_CHECK(x.dtype() == at::kFloat && y.dtype() == at::kFloat,
               "raylora_cpu.lora_add: x and y must be float32");
   TORCH_CHECK(a.dtype() == b_t.dtype() && (a.dtype() == at::kFloat || a.dtype() == at::kBFloat16),
@@ -153,52 +143,106 @@ void lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b_t,
   TORCH_CHECK(segments.dtype() == at::kLong && segments.dim() == 2 && segments.size(0) == 3 &&
                   segments.is_contiguous(),
               "segments must be int64 [3, A]: slot, first row, row count");
-  const int64_t L = a.size(0), SR = a.size(1), H = a.size(2), R = b_t.size(1),
-                H_out = b_t.size(2), S = static_cast<int64_t>(widths.size());
-  TORCH_CHECK(b_t.size(0) == L && S >= 1 && SR == S * R && x.size(1) == H && y.size(1) == H_out,
+  LoRACall c;
+  const int64_t L = a.size(0), S = static_cast<int64_t>(widths.size());
+  c.SR = a.size(1), c.H = a.size(2), c.R = b_t.size(1), c.H_out = b_t.size(2);
+  TORCH_CHECK(b_t.size(0) == L && S >= 1 && c.SR == S * c.R && x.size(1) == c.H &&
+                  y.size(1) == c.H_out,
               "shapes do not match: x ", x.sizes(), " a ", a.sizes(), " b_t ", b_t.sizes(),
               " y ", y.sizes(), " slices ", S);
-  std::vector<int64_t> offs(S + 1, 0);
-  for (int64_t s = 0; s < S; ++s) offs[s + 1] = offs[s] + widths[s];
-  TORCH_CHECK(offs[S] == H_out, "slice widths must sum to H_out");
-  const int64_t A = segments.size(1);
-  const int64_t* slot = segments.data_ptr<int64_t>();
-  const int64_t* start = slot + A;
-  const int64_t* count = start + A;
-  for (int64_t i = 0; i < A; ++i)
-    TORCH_CHECK(slot[i] >= 0 && slot[i] < L && start[i] >= 0 && count[i] >= 0 &&
-                    start[i] + count[i] <= std::min(x.size(0), y.size(0)),
+  c.offs.assign(S + 1, 0);
+  for (int64_t s = 0; s < S; ++s) c.offs[s + 1] = c.offs[s] + widths[s];
+  TORCH_CHECK(c.offs[S] == c.H_out, "slice widths must sum to H_out");
+  c.A = segments.size(1);
+  c.slot = segments.data_ptr<int64_t>();
+  c.start = c.slot + c.A;
+  c.count = c.start + c.A;
+  for (int64_t i = 0; i < c.A; ++i)
+    TORCH_CHECK(c.slot[i] >= 0 && c.slot[i] < L && c.start[i] >= 0 && c.count[i] >= 0 &&
+                    c.start[i] + c.count[i] <= std::min(x.size(0), y.size(0)),
                 "segment ", i, " out of range");
-  const int64_t* rk = nullptr;
+  c.ranks = nullptr;
   if (ranks.has_value()) {
     const at::Tensor& rt = *ranks;
     TORCH_CHECK(rt.dtype() == at::kLong && rt.device().is_cpu() && rt.is_contiguous() &&
                     rt.dim() == 2 && rt.size(0) == L && rt.size(1) == S,
                 "ranks must be a contiguous int64 CPU tensor [L=", L, ", S=", S, "], got ",
                 rt.sizes());
-    rk = rt.data_ptr<int64_t>();
+    c.ranks = rt.data_ptr<int64_t>();
     for (int64_t i = 0; i < L * S; ++i)
-      TORCH_CHECK(rk[i] >= 0 && rk[i] <= R, "ranks must lie in [0, ", R, "], got ", rk[i]);
+      TORCH_CHECK(c.ranks[i] >= 0 && c.ranks[i] <= c.R, "ranks must lie in [0, ", c.R,
+                  "], got ", c.ranks[i]);
   }
-  if (a.dtype() == at::kFloat)
-    run(x, a.data_ptr<float>(), b_t.data_ptr<float>(), slot, start, count, rk, A, SR, H, R,
-        H_out, offs, y);
-  else
-    run(x, a.data_ptr<at::BFloat16>(), b_t.data_ptr<at::BFloat16>(), slot, start, count, rk, A,
-        SR, H, R, H_out, offs, y);
+  c.full_ranks.assign(S, c.R);
+  c.x = x.data_ptr<float>(), c.x_stride = x.stride(0);
+  c.bf16 = a.dtype() == at::kBFloat16;
+  c.a = a.data_ptr(), c.b_t = b_t.data_ptr();
+  c.y = y.data_ptr<float>(), c.y_stride = y.stride(0);
+  return c;
 }
 
-// The base layer and its LoRA in one call: the base GEMM (raylora::linear, linear_cpu.cpp: the
-// decode GEMM split by output columns between the threads, else at::linear), then lora_add
-// into its output. One call from Python per LoRA linear instead of two: in a decode
-// step a call's fixed cost (Python, the dispatcher, caches cold after the GEMM) is tens of
-// microseconds, and a step has 120 of them (docs/benchmarks.md).
+// The active slots [begin, end) of a checked call: for each, its A rows, then its B^T block,
+// each weight read once.
+template <typename W>
+void run_slots(const LoRACall& c, int64_t begin, int64_t end) {
+  const W* ap = static_cast<const W*>(c.a);
+  const W* bp = static_cast<const W*>(c.b_t);
+  const int64_t S = static_cast<int64_t>(c.offs.size()) - 1;
+  std::vector<float> buf;
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t* rk = c.ranks != nullptr ? c.ranks + c.slot[i] * S : c.full_ranks.data();
+    if (c.count[i] == 0 || std::all_of(rk, rk + S, [](int64_t r) { return r == 0; })) continue;
+    buf.assign(c.count[i] * c.SR, 0.f);
+    for (int64_t s = 0; s < S; ++s)
+      shrink(ap + c.slot[i] * c.SR * c.H, c.SR, s * c.R, s * c.R + rk[s], c.H, c.x, c.x_stride,
+             c.start[i], c.count[i], buf.data());
+    expand_add(bp + c.slot[i] * c.R * c.H_out, rk, c.H_out, c.offs, buf.data(), c.SR, c.R, c.y,
+               c.y_stride, c.start[i], c.count[i]);
+  }
+}
+
+void run_slots(const LoRACall& c, int64_t begin, int64_t end) {
+  if (c.bf16)
+    run_slots<at::BFloat16>(c, begin, end);
+  else
+    run_slots<float>(c, begin, end);
+}
+
+void lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b_t,
+              const at::Tensor& segments, at::IntArrayRef widths,
+              const std::optional<at::Tensor>& ranks, at::Tensor& y) {
+  const LoRACall c = check(x, a, b_t, segments, widths, ranks, y);
+  at::parallel_for(0, c.A, 1, [&](int64_t begin, int64_t end) { run_slots(c, begin, end); });
+}
+
+// The base layer and its LoRA in one call. One call from Python per LoRA linear instead of
+// two: in a decode step a call's fixed cost (Python, the dispatcher, caches cold after the
+// GEMM) is tens of microseconds, and a step has 120 of them (docs/benchmarks.md). Where the
+// decode GEMM splits (linear_cpu.cpp), both run in one OpenMP region: each thread its share of
+// the output columns, a barrier, then its share of the slots (about 2 ms a step less than two
+// regions, measured in the model); else at::linear, then lora_add.
 at::Tensor linear_lora(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias, const at::Tensor& a,
                        const at::Tensor& b_t, const at::Tensor& segments, at::IntArrayRef widths,
                        const std::optional<at::Tensor>& ranks) {
-  at::Tensor y = raylora::linear(x, weight, bias);
-  lora_add(x, a, b_t, segments, widths, ranks, y);
+  if (!raylora::linear_splits(x, weight, bias)) {
+    at::Tensor y = at::linear(x, weight, bias);
+    lora_add(x, a, b_t, segments, widths, ranks, y);
+    return y;
+  }
+  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
+  const LoRACall c = check(x, a, b_t, segments, widths, ranks, y);
+  const float* b = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
+  const int nt = at::get_num_threads();
+#pragma omp parallel num_threads(nt)
+  {
+    const int tid = omp_get_thread_num(), n = omp_get_num_threads();
+    const auto [n0, n1] = raylora::column_share(weight.size(0), tid, n);
+    raylora::linear_columns(x, weight, b, y, n0, n1);
+#pragma omp barrier
+    const int64_t per = (c.A + n - 1) / n;  // contiguous slots per thread, as parallel_for
+    run_slots(c, std::min<int64_t>(c.A, tid * per), std::min<int64_t>(c.A, (tid + 1) * per));
+  }
   return y;
 }
 
