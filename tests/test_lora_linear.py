@@ -174,9 +174,9 @@ def test_bf16_weights_under_fp32_activations(monkeypatch, mode, widths_key, layo
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rank,widths", [(3, [20]), (3, [20, 7, 7]), (1, [33]), (5, [16, 16])])
 def test_cpu_kernel_odd_ranks_and_token_counts(dtype, rank, widths):
-    """The kernel's row blocks (4 weight rows at a time, then single rows) and token blocks
-    (1-4 tokens as constants) at ranks whose S * R is no multiple of 4, every token count a
-    slot can have up to 9, hidden sizes with a tail past the 16-float vectors."""
+    """The kernel's token blocks (up to 4 tokens per pass over a weight row, then the rest)
+    at ranks whose S * R is no multiple of 4, every token count a slot can have up to 9,
+    hidden sizes and slice widths with a tail past the 16-float vectors."""
     op = cpu_kernel.cpu_lora_op()
     assert op is not None
     gen = torch.Generator().manual_seed(rank * 100 + len(widths))

@@ -31,8 +31,10 @@ namespace raylora {
 
 namespace {
 constexpr int64_t kMaxRows = 128;  // measured faster than F.linear up to here
+}  // namespace
 
-bool splits(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+bool linear_splits(const at::Tensor& x, const at::Tensor& weight,
+                   const std::optional<at::Tensor>& bias) {
   const bool bias_ok = !bias.has_value() || !bias->defined() ||
                        (bias->dtype() == at::kFloat && bias->is_contiguous() &&
                         bias->dim() == 1 && bias->size(0) == weight.size(0));
@@ -42,7 +44,6 @@ bool splits(const at::Tensor& x, const at::Tensor& weight, const std::optional<a
          x.stride(1) == 1 && x.size(0) >= 1 && x.size(0) <= kMaxRows && bias_ok &&
          x.size(1) < (int64_t{1} << 31) && weight.size(0) < (int64_t{1} << 31);
 }
-}  // namespace
 
 void linear_columns(const at::Tensor& x, const at::Tensor& weight, const float* bias,
                     at::Tensor& y, int64_t n0, int64_t n1) {
@@ -68,7 +69,7 @@ std::pair<int64_t, int64_t> column_share(int64_t N, int tid, int num_threads) {
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias) {
-  if (!splits(x, weight, bias)) return at::linear(x, weight, bias);
+  if (!linear_splits(x, weight, bias)) return at::linear(x, weight, bias);
   at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
   const float* b = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
   const int nt = at::get_num_threads();
@@ -78,11 +79,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
     linear_columns(x, weight, b, y, n0, n1);
   }
   return y;
-}
-
-bool linear_splits(const at::Tensor& x, const at::Tensor& weight,
-                   const std::optional<at::Tensor>& bias) {
-  return splits(x, weight, bias);
 }
 
 }  // namespace raylora
