@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
+from deployments.grpc_bind import bind_replica_grpc_to_node_ip
 from deployments.openai_app import build_openai_app
 from deployments.openai_serving import OpenAIServing
 from deployments.protocol import (
@@ -120,6 +121,7 @@ class Ingress:
     ) -> None:
         from deployments.registry import get_or_create_registry
 
+        bind_replica_grpc_to_node_ip()
         registry = ActorRegistry(await asyncio.to_thread(get_or_create_registry))
         self.serving = OpenAIServing(
             ServeLLMBackend(llm_handle), registry, served_model_name, api_key, adapter_roots

@@ -28,6 +28,7 @@ from typing import Any
 from ray import serve
 
 from deployments import metrics
+from deployments.grpc_bind import bind_replica_grpc_to_node_ip
 from deployments.protocol import APIError
 from deployments.replica_io import (
     adapter_entry,
@@ -72,6 +73,7 @@ class LLMServer:
     ) -> None:
         from engine import AsyncLLMEngine, EngineConfig
 
+        bind_replica_grpc_to_node_ip()
         config = EngineConfig(**engine_config)
         self.engine = AsyncLLMEngine(config)
         self._max_loras = int(config.max_loras)

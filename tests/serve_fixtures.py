@@ -95,3 +95,34 @@ def replica_stats(app_name: str, want: int, timeout_s: float = 30.0) -> dict[str
         s = handle.stats.remote().result()
         seen[s["replica_id"]] = s
     return seen
+
+
+# Listening TCP sockets, read from the kernel's tables (tests/test_loopback.py)
+TABLES = (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6))
+LISTEN = "0A"
+
+
+def proc_address(hex_addr: str, family: int) -> str:
+    raw = bytes.fromhex(hex_addr)
+    # /proc prints each 32-bit word of the address in host (little-endian) byte order
+    raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return socket.inet_ntop(family, raw)
+
+
+def listening() -> set[tuple[str, int]]:
+    found = set()
+    for path, family in TABLES:
+        try:
+            rows = Path(path).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == LISTEN:
+                addr, port = fields[1].split(":")
+                found.add((proc_address(addr, family), int(port, 16)))
+    return found
+
+
+def is_loopback(addr: str) -> bool:
+    return addr.startswith("127.") or addr == "::1" or addr.startswith("::ffff:127.")

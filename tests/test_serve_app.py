@@ -12,6 +12,8 @@ import pytest
 
 from tests.serve_fixtures import (
     free_port,
+    is_loopback,
+    listening,
     make_broken_adapter,
     make_tiny_adapter,
     replica_stats,
@@ -41,6 +43,7 @@ def served(tmp_path_factory, tiny_model_dir):
     extra = make_tiny_adapter(tiny_model_dir, root / "a3", 4, ["k_proj", "o_proj"], 3)
     broken = make_broken_adapter(root / "broken")
     port = free_port()
+    listening_before = listening()
     start_ray(port)
     try:
         args = {
@@ -60,6 +63,7 @@ def served(tmp_path_factory, tiny_model_dir):
             "extra": str(extra),
             "broken": str(broken),
             "root": root,
+            "listening_before": listening_before,
         }
     finally:
         stop_ray()
@@ -85,6 +89,16 @@ def client(served):
     from openai import OpenAI
 
     return OpenAI(base_url=served["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_app_listens_on_loopback_only(served):
+    """Every socket the running app opened (Ray, the HTTP proxy, and each replica's
+    inter-deployment gRPC server, which Ray binds to "[::]" unless deployments.grpc_bind
+    rebinds it) is on loopback."""
+    opened = listening() - served["listening_before"]
+    assert len(opened) >= 8  # GCS, raylet, agents, workers, the proxy, 3 replicas' gRPC
+    exposed = sorted(a for a in opened if not is_loopback(a[0]))
+    assert not exposed, f"the app listens beyond loopback on {exposed}"
 
 
 def test_models(client, tiny_model_dir):
