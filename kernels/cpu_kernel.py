@@ -33,7 +33,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / f for f in ("lora_cpu.cpp", "linear_cpu.cpp")]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / f for f in ("lora_cpu.cpp", "linear_cpu.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -52,6 +53,15 @@ def _cpu_tag() -> str:
     except (OSError, StopIteration):
         flags = os.uname().machine
     return hashlib.sha1(flags.encode()).hexdigest()[:10]
+
+
+def _headers_tag() -> str:
+    """A hash of csrc's headers. cpp_extension rebuilds when a source file or a flag changes,
+    not when only an included header does: this goes into the flags."""
+    h = hashlib.sha1()
+    for p in sorted(_CSRC.glob("*.h")):
+        h.update(p.name.encode() + p.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def _build() -> object:
@@ -76,7 +86,7 @@ def _build() -> object:
         name=name,
         sources=[str(p) for p in _SOURCES],
         # -fopenmp: at::parallel_for is an OpenMP loop in the header; without it, one thread
-        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DRAYLORA_HEADERS={_headers_tag()}"],
         extra_ldflags=["-fopenmp"],
         is_python_module=False,
         verbose=False,

@@ -316,3 +316,17 @@ def test_cpu_linear_matches_f_linear(rows, out_features, in_features, bias):
         op(x.double(), weight.double(), None), F.linear(x.double(), weight.double())
     )
     assert base_linear(x, weight, b).shape == (rows, out_features)
+
+
+def test_cpu_kernel_build_flags_follow_the_headers(monkeypatch, tmp_path):
+    """cpp_extension rebuilds on a changed source or flag, not on a changed header alone: the
+    headers' hash is one of the flags, so editing linear_cpu.h rebuilds the kernels."""
+    from kernels import cpu_kernel
+
+    assert any(cpu_kernel._CSRC.glob("*.h"))
+    monkeypatch.setattr(cpu_kernel, "_CSRC", tmp_path)
+    (tmp_path / "linear_cpu.h").write_text("#pragma once\n")
+    before = cpu_kernel._headers_tag()
+    assert cpu_kernel._headers_tag() == before
+    (tmp_path / "linear_cpu.h").write_text("#pragma once\nint f();\n")
+    assert cpu_kernel._headers_tag() != before
