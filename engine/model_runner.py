@@ -86,9 +86,10 @@ class ModelRunner:
                 config.lora, spec, self.model.lora_linears(), self.device, self.lora_dtype
             )
         if self.device.type == "cpu" and self.dtype == torch.float32:
-            # the C++ CPU kernels (decode linears; LoRA on the torch backend): build them (first
-            # time on this machine) or load them now, not mid-step
-            cpu_lora_op()
+            # the C++ CPU kernels (the packed GEMM; LoRA on the torch backend): build them
+            # (first time on this machine) or load them now, not mid-step
+            if cpu_lora_op() is not None:
+                self.model.pack_cpu_weights()
 
     def _kv_bytes_per_block(self) -> int:
         a = self.args

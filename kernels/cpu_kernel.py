@@ -1,17 +1,21 @@
-"""raylora's C++ CPU kernels (kernels/csrc/lora_cpu.cpp and linear_cpu.cpp), built on first use
+"""raylora's C++ CPU kernels (kernels/csrc/: lora_cpu.cpp, linear_cpu.cpp, packed_cpu.cpp), built on first use
 with torch's cpp_extension (g++ and ninja) and cached on disk; None where they cannot be built.
 
     op = cpu_lora_op()          # torch.ops.raylora_cpu.lora_add, or None
     op(x, a, b_t, segments, widths, ranks, y)           # y += the LoRA of x
     y = cpu_linear_lora_op()(x, weight, bias, a, b_t, segments, widths, ranks)  # linear too
     y = cpu_linear_op()(x, weight, bias)                # F.linear, decode batches faster
+    y = cpu_linear_packed_op()(x, pw.data, pw.out_features, bias)   # on a PackedWeight
+    y = cpu_linear_lora_packed_op()(x, pw.data, pw.out_features, bias, a, b_t, ...)
 (ranks: SlotWeights.ranks, the rows each slot's slices hold, or None for all of them)
 
 The torch path of `lora_linear` uses the LoRA kernel for decode-shaped batches (few tokens per
 adapter), where reading every active adapter's weights is the whole cost and torch's batched
-GEMM reads the expand's weights at about half the memory bandwidth. The model's linears (base
-layers, lm_head) use `linear`: with few rows, splitting the output columns between the threads
-beats MKL's own threading here. Everything else stays on torch ops, and so does everything
+GEMM reads the expand's weights at about half the memory bandwidth. A float32 CPU model's
+linears (base layers, lm_head) are packed once at load (kernels/packed_weight.py) and run on
+`linear_packed` at any batch size: faster than MKL here at 1-2048 rows, most at decode's few
+rows, where BLAS repacks the weight on every call. `linear` (the column-split sgemm) serves
+plain float32 weights. Everything else stays on torch ops, and so does everything
 when the kernels are off:
   RAYLORA_CPU_KERNEL=0   never build or use them (the pure torch path);
   a failed build         logs one warning and falls back to the torch path.
@@ -34,7 +38,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / f for f in ("lora_cpu.cpp", "linear_cpu.cpp")]
+_SOURCES = [_CSRC / f for f in ("lora_cpu.cpp", "linear_cpu.cpp", "packed_cpu.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -131,3 +135,16 @@ def cpu_linear_lora_op() -> Callable[..., torch.Tensor] | None:
     plus the LoRA of x, one call; None if off."""
     ops = _ops()
     return None if ops is None else ops.linear_lora
+
+
+def cpu_linear_packed_op() -> Callable[..., torch.Tensor] | None:
+    """`linear_packed(x, packed, N, bias)`: F.linear on a PackedWeight's data; None if off."""
+    ops = _ops()
+    return None if ops is None else ops.linear_packed
+
+
+def cpu_linear_lora_packed_op() -> Callable[..., torch.Tensor] | None:
+    """`linear_lora_packed(x, packed, N, bias, a, b_t, segments, widths, ranks)`: the packed
+    linear plus the LoRA of x, one call; None if off."""
+    ops = _ops()
+    return None if ops is None else ops.linear_lora_packed

@@ -32,10 +32,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_kernel import cpu_linear_lora_op, cpu_linear_op, cpu_lora_op
+from kernels.cpu_kernel import (
+    cpu_linear_lora_op,
+    cpu_linear_lora_packed_op,
+    cpu_linear_op,
+    cpu_linear_packed_op,
+    cpu_lora_op,
+)
 from kernels.lora_expand import lora_expand
 from kernels.lora_shrink import lora_shrink
 from kernels.metadata import LoRABatchMeta
+from kernels.packed_weight import PackedWeight
 from kernels.torch_ops import _sgmv_fits
 from kernels.utils import resolve_backend
 
@@ -133,7 +140,7 @@ def lora_linear(
 
 def linear_with_lora(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | PackedWeight,
     bias: torch.Tensor | None,
     w: SlotWeights,
     meta: LoRABatchMeta,
@@ -144,18 +151,27 @@ def linear_with_lora(
     On the torch path, when every token has an adapter and the tokens come in equal runs per
     slot (a decode batch, ordered by the model runner), the delta is computed first and the
     base GEMM accumulates onto it (addmm with beta=1): y is written once, with no add pass.
-    Batches the C++ CPU kernel takes: its `linear_lora` op, F.linear and then the kernel adding
-    into y, in one call from Python (this runs for every LoRA linear of every step; each call
-    has a fixed cost). Otherwise (prefill-sized outputs) F.linear, then `lora_linear` adds
-    into its output.
+    Batches the C++ CPU kernel takes: its `linear_lora` op (`linear_lora_packed` for a
+    PackedWeight), the base GEMM and then the kernel adding into y, in one call from Python
+    (this runs for every LoRA linear of every step; each call has a fixed cost). Otherwise
+    (prefill-sized outputs, and any batch on a PackedWeight) `base_linear`, then `lora_linear`
+    adds into its output.
     """
     torch_path = not meta.no_lora and resolve_backend(backend, x) == "torch"
+    packed = isinstance(weight, PackedWeight)
     if torch_path and _cpu_kernel_takes(x, x, w, meta):  # x stands in for F.linear's y
-        op = cpu_linear_lora_op()
-        if op is not None:
-            return op(x, weight, bias, w.a, w.b_t, meta.segments, w.widths, w.ranks)
+        if packed:
+            op = cpu_linear_lora_packed_op()
+            if op is not None:
+                n = weight.out_features
+                return op(x, weight.data, n, bias, w.a, w.b_t, meta.segments, w.widths, w.ranks)
+        else:
+            op = cpu_linear_lora_op()
+            if op is not None:
+                return op(x, weight, bias, w.a, w.b_t, meta.segments, w.widths, w.ranks)
     if (
         torch_path
+        and not packed
         and meta.uniform
         and meta.num_lora_tokens == meta.num_tokens > 0
         and x.shape[0] * weight.shape[0] <= _FUSED_MAX_ELEMENTS
@@ -170,14 +186,24 @@ def linear_with_lora(
     return y
 
 
-def base_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, weight, bias); float32 on the CPU through the C++ `linear` where it is built
-    (kernels/cpu_kernel.py: decode-sized batches split by output columns between the threads,
-    the rest handed to F.linear's own kernel)."""
+def base_linear(
+    x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """F.linear(x, weight, bias). On the CPU, float32, where the C++ kernels are built: a
+    PackedWeight runs on the packed GEMM (any batch size), a plain weight on `linear`
+    (decode-sized batches split by output columns between the threads, the rest handed to
+    F.linear's own kernel). A PackedWeight without them is unpacked for F.linear."""
     if x.dtype == torch.float32 and x.device.type == "cpu":
-        op = cpu_linear_op()
-        if op is not None:
-            return op(x, weight, bias)
+        if isinstance(weight, PackedWeight):
+            op = cpu_linear_packed_op()
+            if op is not None and x.dim() == 2 and x.stride(1) == 1:
+                return op(x, weight.data, weight.out_features, bias)
+        else:
+            op = cpu_linear_op()
+            if op is not None:
+                return op(x, weight, bias)
+    if isinstance(weight, PackedWeight):
+        weight = weight.unpack()
     return F.linear(x, weight, bias)
 
 

@@ -67,17 +67,18 @@ def make_adapter_set(model_dir: str, root: Path, std: float = 0.2) -> dict[str, 
 def cpu_kernel_mode(monkeypatch, mode: str) -> list | None:
     """The torch path with the C++ CPU kernel on ("cpu_kernel": it must build here, g++ is on
     every machine this runs on) or off ("torch_ops": RAYLORA_CPU_KERNEL=0). Returns the list
-    its ops' calls (`lora_add` and `linear_lora`) append their names to, or None when off."""
+    its ops' calls (`lora_add`, `linear_lora`, `linear_lora_packed`) append their names to, or
+    None when off."""
     if mode == "torch_ops":
         monkeypatch.setenv("RAYLORA_CPU_KERNEL", "0")
-        assert cpu_kernel.cpu_lora_op() is None and cpu_kernel.cpu_linear_lora_op() is None
+        assert cpu_kernel.cpu_lora_op() is None and cpu_kernel.cpu_linear_lora_packed_op() is None
         return None
     assert mode == "cpu_kernel"
     monkeypatch.delenv("RAYLORA_CPU_KERNEL", raising=False)
     calls = []
     # `kernels.lora_linear` is also the name of the op, hence import_module for the module
     module = importlib.import_module("kernels.lora_linear")
-    for getter in ("cpu_lora_op", "cpu_linear_lora_op"):
+    for getter in ("cpu_lora_op", "cpu_linear_lora_op", "cpu_linear_lora_packed_op"):
         op = getattr(cpu_kernel, getter)()
         assert op is not None, "the C++ CPU kernel did not build (see the logged warning)"
 

@@ -19,6 +19,7 @@ from kernels import (
     lora_linear,
     lora_shrink_ref,
 )
+from kernels.packed_weight import PackedWeight
 from tests.lora_fixtures import cpu_kernel_mode
 
 lora_linear_mod = importlib.import_module("kernels.lora_linear")  # `kernels.lora_linear` is the op
@@ -104,12 +105,18 @@ def test_lora_linear_matches_reference(monkeypatch, mode, widths_key, layout):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("weight_kind", ["plain", "packed"])
 @pytest.mark.parametrize("mode", ["cpu_kernel", "torch_ops"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("widths_key", sorted(WIDTHS))
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_linear_with_lora_matches_reference(monkeypatch, mode, bias, widths_key, layout):
+def test_linear_with_lora_matches_reference(
+    monkeypatch, mode, bias, widths_key, layout, weight_kind
+):
+    """A plain weight, or a PackedWeight (how the engine holds a float32 CPU model's linears:
+    the packed GEMM, or unpacked for torch ops)."""
     cpu_kernel_calls = cpu_kernel_mode(monkeypatch, mode)
+    packed = weight_kind == "packed"
     gen = torch.Generator().manual_seed(zlib.crc32(f"{widths_key}/{layout}/{bias}".encode()))
     w = _weights(widths_key, torch.float32, gen)
     slots = _slots(layout, gen)
@@ -117,8 +124,12 @@ def test_linear_with_lora_matches_reference(monkeypatch, mode, bias, widths_key,
     x = torch.randn(len(slots), w.a.shape[2], generator=gen)
     weight = torch.randn(sum(w.widths), w.a.shape[2], generator=gen)
     b = torch.randn(sum(w.widths), generator=gen) if bias else None
+    if packed:
+        weight, plain = PackedWeight.pack(weight), weight
     base = base_linear(x, weight, b)  # the model's base GEMM (C++ on the CPU where built)
-    torch.testing.assert_close(base, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        base, F.linear(x, plain if packed else weight, b), rtol=1e-5, atol=1e-5
+    )
     ref = lora_expand_ref(lora_shrink_ref(x, w.lora_a, slots), w.lora_b, slots, base.clone())
     # The C++ kernel's batches go straight to it; without it, a batch whose every token has an
     # adapter, in equal runs per slot (decode), takes the addmm path. Neither calls
@@ -126,7 +137,7 @@ def test_linear_with_lora_matches_reference(monkeypatch, mode, bias, widths_key,
     uniform_all = layout in ("sorted_uniform", "sorted_uniform_one_slot")
     assert uniform_all == (meta.uniform and meta.num_lora_tokens == meta.num_tokens)
     kernel = cpu_kernel_calls is not None and layout in CPU_KERNEL_LAYOUTS
-    fused = kernel or (uniform_all and cpu_kernel_calls is None)
+    fused = kernel or (uniform_all and cpu_kernel_calls is None and not packed)
     calls = []
     real = lora_linear_mod.lora_linear
     monkeypatch.setattr(lora_linear_mod, "lora_linear", lambda *a: calls.append(1) or real(*a))
@@ -136,7 +147,8 @@ def test_linear_with_lora_matches_reference(monkeypatch, mode, bias, widths_key,
     base_rows = (slots < 0).nonzero().flatten()
     assert torch.equal(y[base_rows], base[base_rows])
     if cpu_kernel_calls is not None:  # the base GEMM and the kernel in one call
-        assert cpu_kernel_calls == ["cpu_linear_lora_op"] * (layout in CPU_KERNEL_LAYOUTS)
+        op = "cpu_linear_lora_packed_op" if packed else "cpu_linear_lora_op"
+        assert cpu_kernel_calls == [op] * (layout in CPU_KERNEL_LAYOUTS)
 
 
 @pytest.mark.parametrize("mode", ["cpu_kernel", "torch_ops"])

@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
 from kernels import LoRABatchMeta, SlotWeights, base_linear, linear_with_lora
+from kernels.packed_weight import PackedWeight
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -103,6 +104,12 @@ class LoRALinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(sum(out_sizes), in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(sum(out_sizes)), requires_grad=False) if bias else None
         self.lora: SlotWeights | None = None  # the max_loras slots, set by the LoRA manager
+
+    def pack_weight(self) -> None:
+        """Replace the weight by its PackedWeight (C++ CPU GEMM layout; pack_cpu_weights)."""
+        packed = PackedWeight.pack(self.weight)
+        del self.weight  # the parameter: keep one copy of the bytes
+        self.weight = packed
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         meta = ctx.lora
@@ -203,6 +210,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)
+        self.packed_head: PackedWeight | None = None  # pack_cpu_weights
         self.register_buffer("inv_freq", rope_inv_freq(a), persistent=False)
 
     def forward(
@@ -219,7 +227,23 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, ctx)
         # lm_head only on the rows that sample: the vocab projection dominates small batches
-        return base_linear(self.norm(x[sample_rows]), self.lm_head.weight, None).float()
+        return base_linear(self.norm(x[sample_rows]), self.head_weight, None).float()
+
+    @property
+    def head_weight(self) -> torch.Tensor | PackedWeight:
+        return self.lm_head.weight if self.packed_head is None else self.packed_head
+
+    def pack_cpu_weights(self) -> None:
+        """After load_weights, on a float32 CPU model with the C++ kernels: every linear's
+        weight, lm_head's too, in the packed GEMM's layout (kernels/packed_weight.py), one
+        layer at a time, the plain copies freed (lm_head's is a copy of the embedding's even
+        when tied, see load_weights)."""
+        for layer in self.layers:
+            for module in layer.modules():
+                if isinstance(module, LoRALinear):
+                    module.pack_weight()
+        self.packed_head = PackedWeight.pack(self.lm_head.weight)
+        del self.lm_head
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy HF-named weights in, packing q/k/v and gate/up."""

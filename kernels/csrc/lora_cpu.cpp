@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include "linear_cpu.h"
+#include "packed_cpu.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -215,12 +216,27 @@ void lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b_t,
   at::parallel_for(0, c.A, 1, [&](int64_t begin, int64_t end) { run_slots(c, begin, end); });
 }
 
+// One OpenMP region: each thread its share of the base GEMM (gemm(tid, num_threads)), a
+// barrier, then its share of the slots (about 2 ms a step less than two regions, measured in
+// the model; docs/benchmarks.md).
+template <typename Gemm>
+void gemm_then_slots(const LoRACall& c, Gemm gemm) {
+  const int nt = omp_in_parallel() ? 1 : at::get_num_threads();
+#pragma omp parallel num_threads(nt)
+  {
+    const int tid = omp_get_thread_num(), n = omp_get_num_threads();
+    gemm(tid, n);
+#pragma omp barrier
+    const int64_t per = (c.A + n - 1) / n;  // contiguous slots per thread, as parallel_for
+    run_slots(c, std::min<int64_t>(c.A, tid * per), std::min<int64_t>(c.A, (tid + 1) * per));
+  }
+}
+
 // The base layer and its LoRA in one call. One call from Python per LoRA linear instead of
 // two: in a decode step a call's fixed cost (Python, the dispatcher, caches cold after the
 // GEMM) is tens of microseconds, and a step has 120 of them (docs/benchmarks.md). Where the
-// decode GEMM splits (linear_cpu.cpp), both run in one OpenMP region: each thread its share of
-// the output columns, a barrier, then its share of the slots (about 2 ms a step less than two
-// regions, measured in the model); else at::linear, then lora_add.
+// decode GEMM splits (linear_cpu.cpp), both run in one region (gemm_then_slots); else
+// at::linear, then lora_add.
 at::Tensor linear_lora(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias, const at::Tensor& a,
                        const at::Tensor& b_t, const at::Tensor& segments, at::IntArrayRef widths,
@@ -233,16 +249,25 @@ at::Tensor linear_lora(const at::Tensor& x, const at::Tensor& weight,
   at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
   const LoRACall c = check(x, a, b_t, segments, widths, ranks, y);
   const float* b = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
-  const int nt = at::get_num_threads();
-#pragma omp parallel num_threads(nt)
-  {
-    const int tid = omp_get_thread_num(), n = omp_get_num_threads();
+  gemm_then_slots(c, [&](int tid, int n) {
     const auto [n0, n1] = raylora::column_share(weight.size(0), tid, n);
     raylora::linear_columns(x, weight, b, y, n0, n1);
-#pragma omp barrier
-    const int64_t per = (c.A + n - 1) / n;  // contiguous slots per thread, as parallel_for
-    run_slots(c, std::min<int64_t>(c.A, tid * per), std::min<int64_t>(c.A, (tid + 1) * per));
-  }
+  });
+  return y;
+}
+
+// linear_lora on a packed weight (packed_cpu.cpp: the model's linears once loaded on the CPU).
+at::Tensor linear_lora_packed(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                              const std::optional<at::Tensor>& bias, const at::Tensor& a,
+                              const at::Tensor& b_t, const at::Tensor& segments,
+                              at::IntArrayRef widths, const std::optional<at::Tensor>& ranks) {
+  const float* b = raylora::check_packed(x, packed, N, bias);
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  const LoRACall c = check(x, a, b_t, segments, widths, ranks, y);
+  gemm_then_slots(c, [&](int tid, int n) {
+    const auto [p0, p1] = raylora::panel_share(packed.size(0), tid, n);
+    raylora::packed_panels(x, packed, b, y, p0, p1);
+  });
   return y;
 }
 
@@ -253,9 +278,12 @@ TORCH_LIBRARY_FRAGMENT(raylora_cpu, m) {
         "Tensor(a!) y) -> ()");
   m.def("linear_lora(Tensor x, Tensor weight, Tensor? bias, Tensor a, Tensor b_t, Tensor segments, "
         "int[] widths, Tensor? ranks) -> Tensor");
+  m.def("linear_lora_packed(Tensor x, Tensor packed, int N, Tensor? bias, Tensor a, Tensor b_t, "
+        "Tensor segments, int[] widths, Tensor? ranks) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(raylora_cpu, CPU, m) {
   m.impl("lora_add", &lora_add);
   m.impl("linear_lora", &linear_lora);
+  m.impl("linear_lora_packed", &linear_lora_packed);
 }

@@ -1,0 +1,25 @@
+// raylora's packed-weight CPU GEMM (packed_cpu.cpp), for lora_cpu.cpp's linear_lora_packed.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace raylora {
+
+constexpr int64_t kPanel = 48;  // output columns per panel: three AVX-512 registers
+
+// Checks linear_packed's operands (x [T, K] float32 rows contiguous; packed [P, K, kPanel]
+// float32 contiguous with (P - 1) * kPanel < N <= P * kPanel; bias float32 [N] or none) and
+// returns the bias pointer (null for none).
+const float* check_packed(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                          const std::optional<at::Tensor>& bias);
+
+// y[:, panels p0..p1) = x @ W^T (+ bias) for a checked call; y [T, N] float32, rows contiguous.
+void packed_panels(const at::Tensor& x, const at::Tensor& packed, const float* bias,
+                   at::Tensor& y, int64_t p0, int64_t p1);
+
+// Thread tid's panels [p0, p1) of P.
+std::pair<int64_t, int64_t> panel_share(int64_t P, int tid, int num_threads);
+
+}  // namespace raylora

@@ -1,0 +1,54 @@
+"""A linear layer's float32 weight in the C++ CPU GEMM's panel layout (csrc/packed_cpu.cpp).
+
+    pw = PackedWeight.pack(weight)      # weight [N, K] -> pw.data [ceil(N / 48), K, 48]
+    y = base_linear(x, pw, bias)        # kernels.lora_linear: the packed GEMM where built
+    pw.unpack()                         # the [N, K] weight again (bit for bit)
+
+The model runner packs every linear of a float32 CPU model once, after loading, and keeps
+only the packed copy (the layout is the weight's bytes rearranged, zero-padded to a whole
+panel), so the packed GEMM costs no memory. The torch paths that need a plain weight (the C++
+kernels off or unbuildable after all) call `unpack()`, which rebuilds it per call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PANEL = 48  # output columns per panel: kPanel in csrc/packed_cpu.h
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    data: torch.Tensor  # [P, K, PANEL]: data[p, k, j] = weight[p * PANEL + j, k], zero-padded
+    out_features: int
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> PackedWeight:
+        n, k = weight.shape
+        panels = -(-n // PANEL)
+        padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype, device=weight.device)
+        padded[:n] = weight
+        return cls(padded.view(panels, PANEL, k).transpose(1, 2).contiguous(), n)
+
+    def unpack(self) -> torch.Tensor:
+        p, k, _ = self.data.shape
+        return self.data.transpose(1, 2).reshape(p * PANEL, k)[: self.out_features].contiguous()
+
+    @property
+    def in_features(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def shape(self) -> torch.Size:
+        """The plain weight's shape, [out_features, in_features]."""
+        return torch.Size((self.out_features, self.in_features))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
