@@ -61,7 +61,9 @@ else
     fi
     step correctness 150 "$PY" benchmarks/lora_kernels.py --check
     step timings 60 "$PY" benchmarks/lora_kernels.py --no-check --model llama3-8b --dtype bfloat16
-    STEPS+=(correctness timings)
+    step timings_ranks 60 "$PY" benchmarks/lora_kernels.py --no-check --model llama3-8b \
+        --dtype bfloat16 --adapter-rank 8
+    STEPS+=(correctness timings timings_ranks)
     if [[ -f $MODEL_LIKE/config.json ]]; then
         step engine_throughput 60 "$PY" benchmarks/engine_throughput.py --model "$RANDOM_MODEL"
         STEPS+=(engine_throughput)

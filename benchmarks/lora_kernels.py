@@ -4,10 +4,15 @@
     python benchmarks/lora_kernels.py --model smollm2 --strategies   # CPU: torch strategies
     python benchmarks/lora_kernels.py --check              # correctness only (device vs fp32 ref)
     python benchmarks/lora_kernels.py --tiny --interpret   # dry run on CPU, triton interpreter, < 60 s
+    python benchmarks/lora_kernels.py --no-check --adapter-rank 8  # smaller adapters in the slots
 
 On CUDA: CUDA events, median of --iters runs (on CPU: the min, cores are shared); the device copy bandwidth is measured in
 the same run and each op's achieved bandwidth (bytes of weights + activations it must
-move / its time) is printed as a fraction of it. Exit status 1 if a check fails.
+move / its time) is printed as a fraction of it. With --adapter-rank below a scenario's rank
+(the slots' max_lora_rank), the adapters fill only that many rows (the rest zero, as the LoRA
+manager leaves them) and the Triton ops are also timed with `ranks` (SlotWeights.ranks_device:
+rows past each adapter's rank are not read), against the padded run. Exit status 1 if a
+check fails.
 """
 
 from __future__ import annotations
@@ -195,6 +200,14 @@ def run_timings(args, device, dtype) -> None:
             meta = LoRABatchMeta.build(slots, num_adapters)
             hidden_in, widths = layer
             offsets = [sum(widths[:s]) for s in range(len(widths))]
+            ranks = None
+            if args.adapter_rank is not None and args.adapter_rank < rank:
+                for a, b in zip(lora_a, lora_b, strict=True):  # what the manager leaves
+                    a[:, args.adapter_rank :] = 0
+                    b[:, :, args.adapter_rank :] = 0
+                ranks = torch.full(
+                    (num_adapters, len(widths)), args.adapter_rank, dtype=torch.int32, device=device
+                )
             buf = lora_shrink(x, lora_a, meta, backend="torch")
             strat = {
                 "shrink": shrink_strategy(meta, len(widths), num_adapters, rank, hidden_in),
@@ -228,6 +241,13 @@ def run_timings(args, device, dtype) -> None:
                     line += (
                         f"  {t_tri * 1e6:9.1f}us {t_torch / t_tri:7.2f}x {gbps / 1e9:6.1f} {frac}"
                     )
+                    if ranks is not None:
+                        t_r = timer(
+                            partial(triton_fn, ranks=ranks),
+                            device,
+                            2 if args.interpret else args.iters,
+                        )
+                        line += f"  ranks {t_r * 1e6:.1f}us (padded / ranks {t_tri / t_r:.2f}x)"
                 log(line)
             # The engine's CPU path: shrink + expand fused, tokens ordered by slot as the model
             # runner orders them (kernels/lora_linear.py), against the two ops above.
@@ -261,6 +281,9 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument(
         "--strategies", action="store_true", help="also time other torch strategies"
+    )
+    parser.add_argument(
+        "--adapter-rank", type=int, default=None, help="adapters' rank, below the slots' (timings)"
     )
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.interpret

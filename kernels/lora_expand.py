@@ -35,6 +35,7 @@ def _lora_expand_kernel(
     slice_widths,  # [S] int32: H_out_s
     slice_offsets,  # [S] int32: first column of slice s in y
     slice_stride_l,  # [S] int64: lora_b[s].stride(0)
+    slot_ranks,  # [L, S] int32: rows of each slot's slices that hold weights (HAS_RANKS)
     K,  # R
     MAX_N,  # max_s H_out_s
     stride_bs,
@@ -49,6 +50,7 @@ def _lora_expand_kernel(
     BLOCK_K: tl.constexpr,
     ADD_INPUTS: tl.constexpr,
     DOT_FP32: tl.constexpr,  # upcast tiles, exact fp32 dot (see utils.dot_in_fp32)
+    HAS_RANKS: tl.constexpr,
 ):
     # grid: (m tiles x n tiles of the widest slice, slices, active slots)
     pid = tl.program_id(0)
@@ -79,10 +81,13 @@ def _lora_expand_kernel(
     buf_rows = buf_ptr + slice_id * stride_bs + tok[:, None] * stride_bt  # [BLOCK_M, 1]
     w_cols = w_ptr + slot * stride_wl + offs_n[None, :] * stride_wn  # [1, BLOCK_N]
 
+    rank = K
+    if HAS_RANKS:  # only the rows up to the adapter's rank hold weights: read no others
+        rank = tl.load(slot_ranks + slot * tl.num_programs(1) + slice_id)
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)  # tl.zeros is a std-lib @jit
-    for k in range(0, K, BLOCK_K):
+    for k in range(0, rank, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
+        mask_k = offs_k < rank
         bt = tl.load(
             buf_rows + offs_k[None, :] * stride_bk,
             mask=mask_m[:, None] & mask_k[None, :],
@@ -123,6 +128,7 @@ def lora_expand_triton(
     offsets: Sequence[int],
     add_inputs: bool,
     config: dict | None = None,
+    ranks: torch.Tensor | None = None,
 ) -> None:
     """Triton path of `lora_expand` (arguments already checked). `config` overrides
     BLOCK_M / BLOCK_N / BLOCK_K (tests use it to cover every code path)."""
@@ -155,6 +161,7 @@ def lora_expand_triton(
         table[1],
         table[2],
         table[3],
+        meta.active_slots if ranks is None else ranks,  # (unread without ranks)
         rank,
         max(widths),
         buf.stride(0),
@@ -166,6 +173,7 @@ def lora_expand_triton(
         y.stride(1),
         ADD_INPUTS=add_inputs,
         DOT_FP32=dot_in_fp32(b0.dtype),
+        HAS_RANKS=ranks is not None,
         **cfg,
     )
 
@@ -178,6 +186,7 @@ def lora_expand(
     offsets: Sequence[int] | None = None,
     add_inputs: bool = True,
     backend: str = "auto",
+    ranks: torch.Tensor | None = None,
 ) -> None:
     """Add each token's adapter B projection into its slice of y (the LoRA "expand"), in place.
 
@@ -204,6 +213,9 @@ def lora_expand(
         add_inputs: True adds to y, False overwrites the slice columns.
         backend: "auto" (triton if y.is_cuda else torch), "torch" or "triton" (on CPU
             only with TRITON_INTERPRET=1).
+        ranks: None, or int32 [L, S] on y's device (SlotWeights.ranks_device): columns of
+            slot l's lora_b[s] at or past ranks[l, s] are zero (the caller's promise). The
+            Triton path reads none of them, nor those columns of buf; the torch path reads all.
 
     With `meta.no_lora` nothing is launched and y is untouched.
     """
@@ -211,6 +223,6 @@ def lora_expand(
     if meta.no_lora:
         return
     if resolve_backend(backend, y) == "triton":
-        lora_expand_triton(buf, lora_b, meta, y, offsets, add_inputs)
+        lora_expand_triton(buf, lora_b, meta, y, offsets, add_inputs, ranks=ranks)
     else:
         lora_expand_torch(buf, lora_b, meta, y, offsets, add_inputs)

@@ -60,14 +60,16 @@ class SlotWeights:
     Zero-padded past each adapter's rank; a slice an adapter does not target stays zero.
     ranks: None, or int64 [L, S] on the CPU (whatever the weights' device): how many leading
       rows of slice s in slot l may be non-zero (the adapter's rank, 0 for an untargeted
-      slice). The C++ CPU kernel reads only those rows; the other paths read every row (the
-      rest are zeros). The LoRA manager keeps it; None means all R rows.
+      slice). The C++ CPU kernel reads only those rows, and so do the Triton kernels from
+      `ranks_device` (its int32 copy on the weights' device, `sync_ranks()`); the torch ops
+      read every row (the rest are zeros). The LoRA manager keeps both; None means all R rows.
     """
 
     a: torch.Tensor
     b_t: torch.Tensor
     widths: list[int]
     ranks: torch.Tensor | None = None
+    ranks_device: torch.Tensor | None = None
     lora_a: list[torch.Tensor] = field(init=False)  # per slice [L, R, H_in] views of a
     lora_b: list[torch.Tensor] = field(init=False)  # per slice [L, H_out_s, R] views of b_t
 
@@ -88,6 +90,17 @@ class SlotWeights:
         ]
         self.lora_a = [self.a[:, rs] for rs, _, _ in self._slices]
         self.lora_b = [b.mT for _, _, b in self._slices]
+
+    def sync_ranks(self) -> None:
+        """Copy `ranks` into `ranks_device` (allocated once; after each slot activation)."""
+        if self.ranks is None:
+            self.ranks_device = None
+            return
+        if self.ranks_device is None or self.ranks_device.shape != self.ranks.shape:
+            self.ranks_device = torch.empty(
+                self.ranks.shape, dtype=torch.int32, device=self.a.device
+            )
+        self.ranks_device.copy_(self.ranks)
 
     @classmethod
     def zeros(
@@ -128,8 +141,8 @@ def lora_linear(
         # every row of a token with an adapter, and the expand reads only those rows. On a GPU
         # an eager decode step is bound by launches, and zeros() would be one more per linear.
         buf = torch.empty(len(w.lora_a), x.shape[0], w.rank, dtype=torch.float32, device=x.device)
-        lora_shrink(x, w.lora_a, meta, out=buf, backend="triton")
-        lora_expand(buf, w.lora_b, meta, y, backend="triton")
+        lora_shrink(x, w.lora_a, meta, out=buf, backend="triton", ranks=w.ranks_device)
+        lora_expand(buf, w.lora_b, meta, y, backend="triton", ranks=w.ranks_device)
         return
     assert x.dim() == 2 and y.dim() == 2 and x.shape[0] == y.shape[0] == meta.num_tokens, (
         f"x {tuple(x.shape)} and y {tuple(y.shape)} must be [T={meta.num_tokens}, H]"

@@ -32,6 +32,7 @@ def _lora_shrink_kernel(
     num_tokens_per_slot,  # [A] int32
     slot_starts,  # [A] int32
     active_slots,  # [A] int32
+    slot_ranks,  # [L, S] int32: rows of each slot's slices that hold weights (HAS_RANKS)
     N,  # R
     K,  # H_in
     stride_xt,
@@ -48,6 +49,7 @@ def _lora_shrink_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     DOT_FP32: tl.constexpr,  # upcast tiles, exact fp32 dot (see utils.dot_in_fp32)
+    HAS_RANKS: tl.constexpr,
 ):
     # grid: (m tiles x n tiles x SPLIT_K, slices, active slots)
     pid = tl.program_id(0)
@@ -70,6 +72,19 @@ def _lora_shrink_kernel(
     tok = tl.load(sorted_token_ids + seg_start + offs_m, mask=mask_m, other=0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
+    out_ptrs = (
+        out_ptr + slice_id * stride_os + tok[:, None] * stride_ot + offs_n[None, :] * stride_on
+    )
+    mask = mask_m[:, None] & mask_n[None, :]
+    rank = N
+    if HAS_RANKS:  # rows past the adapter's rank are zero: write zeros, read no weights
+        rank = tl.load(slot_ranks + slot * tl.num_programs(1) + slice_id)
+        if pid_n * BLOCK_N >= rank:
+            if SPLIT_K == 1:  # (split-K: the host zeroed these rows)
+                zeros = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+                tl.store(out_ptrs, zeros.to(out_ptr.dtype.element_ty), mask=mask)
+            return
+    mask_r = offs_n < rank
 
     a_ptr = tl.load(a_ptrs + slice_id).to(tl.pointer_type(x_ptr.dtype.element_ty))
     x_rows = x_ptr + tok[:, None] * stride_xt  # [BLOCK_M, 1]
@@ -83,7 +98,7 @@ def _lora_shrink_kernel(
             x_rows + offs_k[None, :] * stride_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0
         )  # [BLOCK_M, BLOCK_K]
         at = tl.load(
-            a_cols + offs_k[:, None] * stride_ak, mask=mask_k[:, None] & mask_n[None, :], other=0.0
+            a_cols + offs_k[:, None] * stride_ak, mask=mask_k[:, None] & mask_r[None, :], other=0.0
         )  # [BLOCK_K, BLOCK_N]
         if DOT_FP32:
             acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
@@ -91,10 +106,6 @@ def _lora_shrink_kernel(
             acc += tl.dot(xt, at)
     acc *= scale
 
-    out_ptrs = (
-        out_ptr + slice_id * stride_os + tok[:, None] * stride_ot + offs_n[None, :] * stride_on
-    )
-    mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:  # partial sums over K; the host zeroed these rows
@@ -134,6 +145,7 @@ def lora_shrink_triton(
     scale: float,
     out: torch.Tensor,
     config: dict | None = None,
+    ranks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton path of `lora_shrink` (arguments already checked). `config` overrides
     BLOCK_M / BLOCK_N / BLOCK_K / SPLIT_K (tests use it to cover every code path)."""
@@ -166,6 +178,7 @@ def lora_shrink_triton(
         meta.num_tokens_per_slot,
         meta.slot_starts,
         meta.active_slots,
+        meta.active_slots if ranks is None else ranks,  # (unread without ranks)
         rank,
         hidden_in,
         x.stride(0),
@@ -178,6 +191,7 @@ def lora_shrink_triton(
         out.stride(2),
         float(scale),
         DOT_FP32=dot_in_fp32(x.dtype),
+        HAS_RANKS=ranks is not None,
         **cfg,
     )
     return out
@@ -190,6 +204,7 @@ def lora_shrink(
     scale: float = 1.0,
     out: torch.Tensor | None = None,
     backend: str = "auto",
+    ranks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Project each token onto its adapter's A (the LoRA "shrink"), several slices at once.
 
@@ -211,6 +226,9 @@ def lora_shrink(
             it). None allocates fp32 zeros.
         backend: "auto" (triton if x.is_cuda else torch), "torch" or "triton" (on CPU
             only with TRITON_INTERPRET=1).
+        ranks: None, or int32 [L, S] on x's device (SlotWeights.ranks_device): rows of slot
+            l's slice s at or past ranks[l, s] are zero (the caller's promise). The Triton
+            path reads none of them and writes zeros there; the torch path reads them all.
 
     Returns `out`. With `meta.no_lora` nothing is launched.
     """
@@ -218,5 +236,5 @@ def lora_shrink(
     if meta.no_lora:
         return out
     if resolve_backend(backend, x) == "triton":
-        return lora_shrink_triton(x, lora_a, meta, scale, out)
+        return lora_shrink_triton(x, lora_a, meta, scale, out, ranks=ranks)
     return lora_shrink_torch(x, lora_a, meta, scale, out)

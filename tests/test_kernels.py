@@ -310,3 +310,45 @@ def test_benchmark_dry_run():
         ["benchmarks/lora_kernels.py", "--tiny", "--interpret"], dict(os.environ), timeout=170
     )
     assert "all checks passed" in out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_triton_kernels_read_only_each_slices_rank(interpret, split_k):
+    """With `ranks` (SlotWeights.ranks_device) the Triton kernels read no weight row past a
+    slot's rank on a slice, nor those columns of the shrink's output: NaN garbage there must
+    not reach the results, the shrink writes zeros there, and without the ranks the same
+    inputs give NaN (so the test sees the garbage)."""
+    gen, x, lora_a, lora_b, _, y = make_inputs(16, 2, 12, torch.float32, seed=3)
+    # 3 slices (q, k, v shapes); slot 6 targets only k, slot 2 q at rank 1
+    ranks = torch.zeros(NUM_SLOTS, len(lora_a), dtype=torch.int32)
+    ranks[1] = torch.tensor([16, 16, 16])
+    ranks[2] = torch.tensor([1, 8, 4])
+    ranks[6] = torch.tensor([0, 5, 0])
+    cut_a = [a.clone() for a in lora_a]
+    cut_b = [b.clone() for b in lora_b]
+    for slot in range(NUM_SLOTS):
+        for s, r in enumerate(ranks[slot].tolist()):
+            cut_a[s][slot, r:] = 0
+            cut_b[s][slot, :, r:] = 0
+            lora_a[s][slot, r:] = float("nan")
+            lora_b[s][slot, :, r:] = float("nan")
+    slots = torch.tensor([1, 1, 1, 2, 2, -1, 6, 6, 6, 6, -1, 1])
+    meta = LoRABatchMeta.build(slots, NUM_SLOTS)
+    lora_rows = torch.nonzero(slots >= 0).flatten()
+    out = torch.full((len(lora_a), len(slots), 16), 7.0)
+    lora_shrink_triton(x, lora_a, meta, 1.0, out, config={"SPLIT_K": split_k}, ranks=ranks)
+    ref = lora_shrink_ref(x, cut_a, slots)
+    torch.testing.assert_close(out[:, lora_rows], ref[:, lora_rows], atol=1e-4, rtol=1e-4)
+    assert out[:, 5].eq(7).all()  # base tokens' rows untouched
+    buf = out.clone()
+    for s in range(len(lora_a)):  # poison what the expand must not read
+        for t in lora_rows.tolist():
+            buf[s, t, int(ranks[int(slots[t]), s]) :] = float("nan")
+    got = y.clone()
+    lora_expand(buf, lora_b, meta, got, backend="triton", ranks=ranks)
+    want = lora_expand_ref(ref, cut_b, slots, y.clone())
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    blind = y.clone()
+    lora_expand(buf, lora_b, meta, blind, backend="triton")
+    assert blind[lora_rows].isnan().any()  # ignoring the ranks would read the garbage

@@ -210,6 +210,10 @@ def test_triton_kernels_in_engine_under_interpreter(tiny_model_dir, adapters, mo
     )
     assert engine.model_runner.lora_backend == "triton"
     check_parity(tiny_model_dir, adapters, engine, max_tokens=4)
+    # the kernels read each slot's rows up to its adapter's rank (ranks_device, kept in sync)
+    linears = engine.model_runner.model.lora_linears().values()
+    assert all(torch.equal(lin.lora.ranks_device.long(), lin.lora.ranks) for lin in linears)
+    assert any(0 < r < 16 for lin in linears for r in lin.lora.ranks.flatten().tolist())
 
 
 BAD_CASES = {

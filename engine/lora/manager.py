@@ -43,8 +43,9 @@ class LoRAManager:
         L, R = config.max_loras, config.max_lora_rank
         for lin in linears.values():
             lin.lora = SlotWeights.zeros(L, R, lin.weight.shape[1], lin.out_sizes, device, dtype)
-            # each slot's rank per slice, for the C++ CPU kernel (SlotWeights.ranks)
+            # each slot's rank per slice, for the C++ CPU and Triton kernels (SlotWeights.ranks)
             lin.lora.ranks = torch.zeros(L, len(lin.out_sizes), dtype=torch.int64)
+            lin.lora.sync_ranks()
 
     # -- CPU cache --------------------------------------------------------------------
     def add_lora(self, lora: LoRARequest) -> LoRAAdapter:
@@ -109,6 +110,8 @@ class LoRAManager:
                 a_slot[r:R].zero_()
                 b_slot[:, :r].copy_(b * adapter.scaling)
                 b_slot[:, r:R].zero_()
+        for lin in self.linears.values():
+            lin.lora.sync_ranks()
         self.slot_names[slot] = lora.lora_name
 
     def residency(self) -> tuple[list[str], list[str]]:
