@@ -152,6 +152,15 @@ def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 64, ignore_eos=True)
     timing: dict[str, dict[str, list[float]]] = {k: {"step": [], "fwd": []} for k in engines}
     graphed: dict[str, float] = {}
+    slot_mb = {  # the LoRA weights a decode step reads: every active slot's, all of it
+        k: sum(
+            (lin.lora.a.nbytes + lin.lora.b_t.nbytes) * n / lin.lora.a.shape[0]
+            for lin in eng.model_runner.model.lora_linears().values()
+        )
+        / 1e6
+        for k, eng in engines.items()
+        if k != "base"
+    }
     for r in range(args.rounds):
         for kind, eng in engines.items():
             for i, prompt in enumerate(prompts):
@@ -195,6 +204,15 @@ def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
             f"{spread[len(spread) // 4]:.3f} / {spread[3 * len(spread) // 4]:.3f}; "
             f"bare forward {fwd_ratio:.3f}x)"
         )
+        added = statistics.median(
+            a - b for a, b in zip(timing[k]["step"], timing["base"]["step"], strict=True)
+        )
+        rate = f": {slot_mb[k] / 1e3 / added:.1f} GB/s" if added > 0 else ""
+        log(
+            f"  LoRA adds {added * 1e3:.2f} ms a step (median of the pairs), reading "
+            f"{slot_mb[k]:.0f} MB of slot weights{rate}"
+        )
+        result[f"added_ms{'' if k == 'lora' else '_' + k[5:]}"] = added * 1e3
         suffix = "" if k == "lora" else "_" + k[5:]
         result[f"lora_step_ms{suffix}"] = med[k]["step"] * 1e3
         result[f"step_ratio{suffix}"] = step_ratio
