@@ -15,7 +15,7 @@ from engine.models.loader import load_model_config, load_state_dict
 from engine.sampler import Sampler, SampleResult
 from engine.scheduler import SchedulerOutput
 from kernels import LoRABatchMeta
-from kernels.cpu_kernel import cpu_lora_op
+from kernels.cpu_kernel import cpu_lora_op, packed_gemm_fast
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -88,7 +88,7 @@ class ModelRunner:
         if self.device.type == "cpu" and self.dtype == torch.float32:
             # the C++ CPU kernels (the packed GEMM; LoRA on the torch backend): build them
             # (first time on this machine) or load them now, not mid-step
-            if cpu_lora_op() is not None:
+            if cpu_lora_op() is not None and packed_gemm_fast():
                 self.model.pack_cpu_weights()
 
     def _kv_bytes_per_block(self) -> int:

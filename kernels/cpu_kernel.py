@@ -148,3 +148,10 @@ def cpu_linear_lora_packed_op() -> Callable[..., torch.Tensor] | None:
     linear plus the LoRA of x, one call; None if off."""
     ops = _ops()
     return None if ops is None else ops.linear_lora_packed
+
+
+def packed_gemm_fast() -> bool:
+    """Whether the packed GEMM was built with AVX-512, the only ISA it is measured on (its
+    register tile needs AVX-512's 32 registers); the engine packs its weights only then."""
+    ops = _ops()
+    return ops is not None and bool(ops.packed_native())
