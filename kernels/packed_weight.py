@@ -7,8 +7,8 @@
 The model runner packs every linear of a float32 CPU model once, after loading, where the
 C++ kernels are built with AVX-512 (`cpu_kernel.packed_gemm_fast()`), and keeps only the
 packed copy (the weight's bytes rearranged, zero-padded to a whole panel), so the packed GEMM
-costs no memory. The torch paths that need a plain weight (the C++
-kernels off or unbuildable after all) call `unpack()`, which rebuilds it per call.
+costs no memory. The torch paths that need a plain weight (the C++ kernels turned off later)
+call `unpack()`, which rebuilds it per call.
 """
 
 from __future__ import annotations
