@@ -28,10 +28,13 @@ class PackedWeight:
     @classmethod
     def pack(cls, weight: torch.Tensor) -> PackedWeight:
         n, k = weight.shape
-        panels = -(-n // PANEL)
-        padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype, device=weight.device)
-        padded[:n] = weight
-        return cls(padded.view(panels, PANEL, k).transpose(1, 2).contiguous(), n)
+        full, rest = divmod(n, PANEL)
+        data = torch.zeros(full + (rest > 0), k, PANEL, dtype=weight.dtype, device=weight.device)
+        # copied straight into place: no other transient copy (lm_head's is 113 MB here)
+        data[:full].copy_(weight[: full * PANEL].view(full, PANEL, k).transpose(1, 2))
+        if rest:
+            data[full, :, :rest].copy_(weight[full * PANEL :].t())
+        return cls(data, n)
 
     def unpack(self) -> torch.Tensor:
         p, k, _ = self.data.shape
