@@ -1,5 +1,6 @@
-"""raylora's C++ CPU kernels (kernels/csrc/: lora_cpu.cpp, linear_cpu.cpp, packed_cpu.cpp), built on first use
-with torch's cpp_extension (g++ and ninja) and cached on disk; None where they cannot be built.
+"""raylora's C++ CPU kernels (kernels/csrc/: lora_cpu.cpp, linear_cpu.cpp, packed_cpu.cpp),
+built on first use with torch's cpp_extension (g++ and ninja) and cached on disk; None where
+they cannot be built.
 
     op = cpu_lora_op()          # torch.ops.raylora_cpu.lora_add, or None
     op(x, a, b_t, segments, widths, ranks, y)           # y += the LoRA of x

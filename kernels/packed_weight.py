@@ -48,11 +48,3 @@ class PackedWeight:
     def shape(self) -> torch.Size:
         """The plain weight's shape, [out_features, in_features]."""
         return torch.Size((self.out_features, self.in_features))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.data.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.data.device

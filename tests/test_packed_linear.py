@@ -112,7 +112,7 @@ def test_linear_packed_rejects_bad_arguments():
 def test_engine_packs_a_float32_cpu_model(tiny_model_dir, monkeypatch):
     """On a float32 CPU model the engine keeps one copy of each linear, packed; with the
     kernels off it keeps the plain weights."""
-    from engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams  # noqa: F401
+    from engine import EngineConfig, LLMEngine
     from engine.models.llama import LoRALinear
 
     monkeypatch.delenv("RAYLORA_CPU_KERNEL", raising=False)

@@ -227,8 +227,8 @@ void gemm_then_slots(const LoRACall& c, Gemm gemm) {
     const int tid = omp_get_thread_num(), n = omp_get_num_threads();
     gemm(tid, n);
 #pragma omp barrier
-    const int64_t per = (c.A + n - 1) / n;  // contiguous slots per thread, as parallel_for
-    run_slots(c, std::min<int64_t>(c.A, tid * per), std::min<int64_t>(c.A, (tid + 1) * per));
+    const auto [begin, end] = raylora::thread_share(c.A, tid, n);  // as parallel_for splits
+    run_slots(c, begin, end);
   }
 }
 
@@ -265,7 +265,7 @@ at::Tensor linear_lora_packed(const at::Tensor& x, const at::Tensor& packed, int
   at::Tensor y = at::empty({x.size(0), N}, x.options());
   const LoRACall c = check(x, a, b_t, segments, widths, ranks, y);
   gemm_then_slots(c, [&](int tid, int n) {
-    const auto [p0, p1] = raylora::panel_share(packed.size(0), tid, n);
+    const auto [p0, p1] = raylora::thread_share(packed.size(0), tid, n);
     raylora::packed_panels(x, packed, b, y, p0, p1);
   });
   return y;

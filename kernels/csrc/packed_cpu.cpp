@@ -5,9 +5,9 @@
 // Each panel is read as one contiguous stream, kPanel floats per k, and multiplied into the
 // outputs of kRows tokens held in 24 AVX-512 registers (a kRows x kPanel tile, broadcasting one
 // x value per token and k). BLAS repacks the weight on every call, which at decode's few rows
-// is most of the work: on SmolLM2-135M's decode step the 120 layer linears take about 36 ms
-// here against 55 ms for the column-split sgemm (linear_cpu.cpp), the lm_head about half
-// (docs/benchmarks.md). Every token's sum runs over k in order, whatever the batch, its place
+// is most of the work: at SmolLM2-135M's shapes and 32 rows the 120 layer linears take about
+// 35 ms here against 63 ms for the column-split sgemm (linear_cpu.cpp), the lm_head 9.4
+// against 20.3 ms (benchmarks/cpu_linear.py, docs/benchmarks.md). Every token's sum runs over k in order, whatever the batch, its place
 // in it or the thread split: a token's output is the same bits in any batch.
 //
 // The panels are split between the OpenMP threads. Built with lora_cpu.cpp by
@@ -98,10 +98,10 @@ void packed_panels(const at::Tensor& x, const at::Tensor& packed, const float* b
   }
 }
 
-std::pair<int64_t, int64_t> panel_share(int64_t P, int tid, int num_threads) {
-  const int64_t per = (P + num_threads - 1) / num_threads;
-  const int64_t p0 = std::min<int64_t>(P, tid * per);
-  return {p0, std::min<int64_t>(P, p0 + per)};
+std::pair<int64_t, int64_t> thread_share(int64_t count, int tid, int num_threads) {
+  const int64_t per = (count + num_threads - 1) / num_threads;
+  const int64_t begin = std::min<int64_t>(count, tid * per);
+  return {begin, std::min<int64_t>(count, begin + per)};
 }
 
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t N,
@@ -112,7 +112,7 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const int nt = omp_in_parallel() ? 1 : at::get_num_threads();
 #pragma omp parallel num_threads(nt)
   {
-    const auto [p0, p1] = panel_share(P, omp_get_thread_num(), omp_get_num_threads());
+    const auto [p0, p1] = thread_share(P, omp_get_thread_num(), omp_get_num_threads());
     packed_panels(x, packed, b, y, p0, p1);
   }
   return y;

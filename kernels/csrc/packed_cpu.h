@@ -19,7 +19,7 @@ const float* check_packed(const at::Tensor& x, const at::Tensor& packed, int64_t
 void packed_panels(const at::Tensor& x, const at::Tensor& packed, const float* bias,
                    at::Tensor& y, int64_t p0, int64_t p1);
 
-// Thread tid's panels [p0, p1) of P.
-std::pair<int64_t, int64_t> panel_share(int64_t P, int tid, int num_threads);
+// Thread tid's contiguous share [begin, end) of count items (panels, LoRA slots).
+std::pair<int64_t, int64_t> thread_share(int64_t count, int tid, int num_threads);
 
 }  // namespace raylora
