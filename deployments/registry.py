@@ -1,22 +1,43 @@
 """AdapterRegistry: the cluster's adapter catalog and who holds which adapter.
 
 `RegistryState` is the pure-Python core (tested without Ray); `AdapterRegistry` is the named,
-detached, restartable actor around it. The registry keeps no durable state: after a restart it
-is rebuilt from the replicas' periodic `report_residency` calls, whose `catalog` argument
-re-registers the adapters each replica knows. Routers read `snapshot()` in the background and
-never block on it. The actor lives on the head node, with the GCS: a restart
-empties the catalog until the replicas' next reports, so losing an ordinary worker node must
-not restart it. When it does restart, `recovering()` is True until the first report, and the
-ingress holds a request for an adapter it cannot find instead of answering 404.
+detached, restartable actor around it. Routers read `snapshot()` in the background and never
+block on it.
+
+Durability. The catalog (name -> spec) and the tombstones of unloaded adapters live in a
+durable record (deployments/catalog_store.py: Ray's GCS KV by default, or a JSON file).
+Every catalog change is written there before the method that made it returns, so the HTTP
+load/unload API answers only once the change is durable; a failed write raises and leaves
+the catalog as it was. A new registry (after a restart) loads the record first: the catalog
+is complete from its first call, and no restart opens a 404 window or empties /v1/models.
+Residency is not recorded (it changes every few seconds and goes stale anyway): it is
+rebuilt from the replicas' reports, and `recovering()` is True until the first one arrives.
+
+Reports never resurrect an unload. A replica's `report_residency(..., catalog)` lists the
+adapters it knows, and its copy of the catalog may be up to one report interval old. A
+reported name that is in the catalog is left as the catalog has it; one that is tombstoned
+is ignored; any other name is learned (a replica's built-in adapters, from the app config)
+and written to the record. Only an explicit `register_adapter` (the load API) clears a
+tombstone. The consequence: an adapter unloaded through the API stays unloaded for the life
+of the record, even if an app config lists it, until it is loaded again through the API.
+
+The actor lives on the head node, with the GCS (and with a FileStore's file), so losing an
+ordinary worker node does not restart it.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 import ray
+
+from deployments.catalog_store import CatalogStore, FileStore, GcsKVStore, empty_record
+
+logger = logging.getLogger(__name__)
 
 REGISTRY_NAME = "raylora_adapter_registry"
 REGISTRY_NAMESPACE = "raylora"
@@ -24,57 +45,107 @@ DEFAULT_STALE_AFTER_S = 20.0  # 4 missed reports at LLMServer's default report_i
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
 
 
-class RegistryState:
-    """Catalog (name -> spec) and residency (replica id -> adapters in slots / CPU cache).
+def make_spec(source: str, rank: int, target_modules: list[str], base_model: str) -> dict:
+    """The catalog's spec of one adapter; raises ValueError on a rank below 1."""
+    if int(rank) < 1:
+        raise ValueError(f"adapter rank must be >= 1, got {rank}")
+    return {
+        "source": source,
+        "rank": int(rank),
+        "target_modules": list(target_modules),
+        "base_model": base_model,
+    }
 
-    `version` goes up on every change of content (not on a report that changes nothing),
-    so a reader can tell whether its copy is current.
+
+class RegistryState:
+    """Catalog (name -> spec), tombstones and residency (replica id -> slots / CPU cache).
+
+    `store` holds the durable record (None: in memory only, for tests of the residency
+    logic). `version` goes up on every change of content, catalog or residency (not on a
+    report that changes nothing), so a reader can tell whether its copy is current; it
+    counts within this process only. The record's own version is `catalog_version`.
     """
 
     def __init__(
         self,
         stale_after_s: float = DEFAULT_STALE_AFTER_S,
         clock: Callable[[], float] = time.time,
+        store: CatalogStore | None = None,
     ) -> None:
         self.stale_after_s = stale_after_s
         self._clock = clock
+        self._store = store
+        record = (store.load() if store is not None else None) or empty_record()
+        self.catalog_version: int = record["version"]
+        self.adapters: dict[str, dict[str, Any]] = record["adapters"]  # name -> spec
+        # name -> {"source", "unloaded_at"}: unloaded through the API; reports cannot revive
+        self.tombstones: dict[str, dict[str, Any]] = record["tombstones"]
         self.version = 0
-        self.adapters: dict[str, dict[str, Any]] = {}  # name -> spec
         self.residency: dict[str, dict[str, Any]] = {}  # replica id -> {slots, cpu, last_report}
         self._started = clock()
         self._heard_a_replica = False
-        # Names unregistered since this process started: a replica's catalog report
-        # must not bring them back (a report may race with the unload).
-        self._unregistered: set[str] = set()
+
+    # -- catalog (every change goes through _commit) ------------------------------------
+
+    def _commit(self, adapters: dict[str, dict], tombstones: dict[str, dict]) -> None:
+        """Make `adapters`/`tombstones` the catalog: durable first, then in memory, so a
+        failed write raises and changes nothing."""
+        record = {
+            **empty_record(),
+            "version": self.catalog_version + 1,
+            "adapters": adapters,
+            "tombstones": tombstones,
+        }
+        if self._store is not None:
+            self._store.save(record)
+        self.catalog_version = record["version"]
+        self.adapters, self.tombstones = adapters, tombstones
+        self.version += 1
 
     def register_adapter(
         self, name: str, source: str, rank: int, target_modules: list[str], base_model: str
     ) -> None:
+        """Add or replace `name` (the load API); clears its tombstone."""
         if not name:
             raise ValueError("adapter name must be non-empty")
-        if rank < 1:
-            raise ValueError(f"adapter rank must be >= 1, got {rank}")
-        spec = {
-            "source": source,
-            "rank": int(rank),
-            "target_modules": list(target_modules),
-            "base_model": base_model,
-        }
-        self._unregistered.discard(name)
-        if self.adapters.get(name) != spec:
-            self.adapters[name] = spec
-            self.version += 1
+        spec = make_spec(source, rank, target_modules, base_model)
+        if self.adapters.get(name) == spec and name not in self.tombstones:
+            return
+        tombstones = {n: t for n, t in self.tombstones.items() if n != name}
+        self._commit({**self.adapters, name: spec}, tombstones)
 
     def unregister_adapter(self, name: str) -> bool:
-        if name not in self.adapters:
+        """Remove `name` and tombstone it (the unload API); False if it is not registered."""
+        spec = self.adapters.get(name)
+        if spec is None:
             return False
-        del self.adapters[name]
-        self._unregistered.add(name)
-        self.version += 1
+        adapters = {n: s for n, s in self.adapters.items() if n != name}
+        tomb = {"source": spec["source"], "unloaded_at": self._clock()}
+        self._commit(adapters, {**self.tombstones, name: tomb})
         return True
 
     def list_adapters(self) -> dict[str, dict[str, Any]]:
         return {name: dict(spec) for name, spec in self.adapters.items()}
+
+    def _learn(self, catalog: dict[str, dict]) -> None:
+        """Add the reported names that are neither registered nor tombstoned (one write)."""
+        learned = {}
+        for name, spec in catalog.items():
+            if not name or name in self.adapters or name in self.tombstones:
+                continue
+            try:
+                learned[name] = make_spec(
+                    spec.get("source", ""),
+                    spec.get("rank", 1),
+                    spec.get("target_modules", []),
+                    spec.get("base_model", ""),
+                )
+            except (TypeError, ValueError) as e:  # one bad entry must not block the rest
+                logger.warning("registry: ignoring reported adapter %r: %s", name, e)
+        if learned:
+            self._commit({**self.adapters, **learned}, self.tombstones)
+
+    # -- residency (in memory only) ------------------------------------------------------
 
     def report_residency(
         self,
@@ -83,23 +154,15 @@ class RegistryState:
         adapters_in_cpu: list[str],
         catalog: dict[str, dict] | None = None,
     ) -> None:
-        """Replace `replica_id`'s residency with a full report; learn unknown catalog entries."""
-        for name, spec in (catalog or {}).items():
-            if name in self.adapters or name in self._unregistered:
-                continue
-            self.register_adapter(
-                name,
-                spec.get("source", ""),
-                spec.get("rank", 1),
-                spec.get("target_modules", []),
-                spec.get("base_model", ""),
-            )
+        """Replace `replica_id`'s residency with a full report; learn unknown catalog entries
+        (never tombstoned ones). Residency is taken even if writing learned entries fails."""
         self._heard_a_replica = True
         slots, cpu = sorted(set(adapters_in_slots)), sorted(set(adapters_in_cpu))
         old = self.residency.get(replica_id)
         if old is None or old["slots"] != slots or old["cpu"] != cpu:
             self.version += 1
         self.residency[replica_id] = {"slots": slots, "cpu": cpu, "last_report": self._clock()}
+        self._learn(catalog or {})
 
     def remove_replica(self, replica_id: str) -> None:
         if self.residency.pop(replica_id, None) is not None:
@@ -120,9 +183,11 @@ class RegistryState:
         return gone
 
     def recovering(self) -> bool:
-        """True while this registry is new and has heard from no replica: its catalog may be
-        missing adapters the replicas know (a restart loses it; the next reports restore it).
-        Ends at the first report, or stale_after_s after the start (an app with no replicas)."""
+        """True while this registry is new and has heard from no replica. Its catalog is the
+        durable record's, complete for everything loaded through the API, but residency is
+        empty until the reports arrive, and on a first start (no record yet) the replicas'
+        built-in adapters are unknown until their first report. Ends at the first report, or
+        stale_after_s after the start (an app with no replicas)."""
         return not self._heard_a_replica and self._clock() - self._started < self.stale_after_s
 
     def replicas_holding(self, name: str) -> list[str]:
@@ -146,12 +211,23 @@ class RegistryState:
         }
 
 
+def make_store(state_file: str | None) -> CatalogStore:
+    """The registry's durable store: the GCS KV by default, a JSON file if `state_file`."""
+    return GcsKVStore(REGISTRY_NAME) if state_file is None else FileStore(state_file)
+
+
 @ray.remote(num_cpus=0)
 class AdapterRegistry:
-    """Actor wrapper of `RegistryState`; create it with `get_or_create_registry()`."""
+    """Actor wrapper of `RegistryState`; create it with `get_or_create_registry()`.
 
-    def __init__(self, stale_after_s: float = DEFAULT_STALE_AFTER_S) -> None:
-        self._state = RegistryState(stale_after_s=stale_after_s)
+    Ray restarts it with the same arguments, so a restart reopens the same store and loads
+    the record before serving its first call. A record that cannot be read fails __init__
+    with CatalogStoreError naming it (catalog_store.py says why it does not start empty)."""
+
+    def __init__(
+        self, stale_after_s: float = DEFAULT_STALE_AFTER_S, state_file: str | None = None
+    ) -> None:
+        self._state = RegistryState(stale_after_s=stale_after_s, store=make_store(state_file))
 
     def register_adapter(
         self, name: str, source: str, rank: int, target_modules: list[str], base_model: str
@@ -186,11 +262,19 @@ class AdapterRegistry:
         return self._state.snapshot()
 
 
-def get_or_create_registry(stale_after_s: float = DEFAULT_STALE_AFTER_S) -> ray.actor.ActorHandle:
+def get_or_create_registry(
+    stale_after_s: float = DEFAULT_STALE_AFTER_S, state_file: str | None = None
+) -> ray.actor.ActorHandle:
     """The cluster's registry actor, created on first use (detached, restarted forever).
 
+    state_file None keeps the durable record in the GCS KV; a path keeps it in that JSON file
+    on the head node (deployments/catalog_store.py). The first caller's arguments win: an
+    existing actor is returned as it is.
     max_task_retries=-1: a call made while the actor restarts is retried, not failed.
     """
+    if state_file is not None and not os.path.isabs(state_file):
+        # The actor opens it on the head node, in its own working directory.
+        raise ValueError(f"state_file must be an absolute path, got {state_file!r}")
     return AdapterRegistry.options(
         name=REGISTRY_NAME,
         namespace=REGISTRY_NAMESPACE,
@@ -200,7 +284,7 @@ def get_or_create_registry(stale_after_s: float = DEFAULT_STALE_AFTER_S) -> ray.
         max_task_retries=-1,
         num_cpus=0,
         **_on_head_node(),
-    ).remote(stale_after_s=stale_after_s)
+    ).remote(stale_after_s=stale_after_s, state_file=state_file)
 
 
 def _on_head_node() -> dict[str, Any]:
