@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError
+from engine.errors import ContextLengthError, InvalidRequestError
 from engine.input_processor import InputProcessor
 from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest
@@ -59,6 +59,9 @@ class LLMEngine:
             raise InvalidRequestError("params must be a SamplingParams")
         params.verify(max_n=self.config.max_n)
         text, prompt_ids = self.input_processor.process(prompt)
+        max_len = self.config.max_model_len
+        if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > max_len:
+            raise ContextLengthError(max_len, len(prompt_ids), params.max_tokens)
         if lora_request is not None:
             if not self.config.enable_lora:
                 raise InvalidRequestError("this engine was started with enable_lora=False")

@@ -135,7 +135,9 @@ class OutputProcessor:
             scheduler.finish(seq, "stop", r.token_id)
         elif delta and (stop := self._find_stop_string(p, det, len(delta))) is not None:
             scheduler.finish(seq, "stop", stop)
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif seq.num_tokens >= self.max_model_len or (
+            p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens
+        ):
             scheduler.finish(seq, "length")
 
     @staticmethod

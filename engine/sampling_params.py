@@ -1,6 +1,21 @@
+import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
+
+# Below this a temperature counts as greedy (vLLM's _SAMPLING_EPS): dividing logits by a tiny
+# positive temperature overflows to inf and the softmax to NaN.
+SAMPLING_EPS = 1e-5
+MAX_LOGPROBS = 20
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a signed 64-bit seed, as vLLM and torch take
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_finite_real(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass(slots=True)
@@ -11,49 +26,63 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1) = no top-k
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to the context limit (max_model_len - prompt)
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None  # number of top logprobs to return per token (0 = only the sampled)
+    # number of top logprobs to return per prompt token (0 = only the prompt token's own)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     stop_strs: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.top_k == -1:
+        if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0
-        if isinstance(self.stop, str):
-            self.stop_strs = [self.stop]
-        else:
-            self.stop_strs = list(self.stop or [])
         self.verify()
 
     def verify(self, max_n: int | None = None) -> None:
+        """Raise InvalidRequestError (naming the field and the value) for anything the engine
+        cannot run; also re-derives stop_strs, so a caller may change `stop` in between."""
+
         def bad(msg: str) -> None:
             raise InvalidRequestError(msg)
 
-        if not isinstance(self.n, int) or self.n < 1:
+        if not _is_int(self.n) or self.n < 1:
             bad(f"n must be an integer >= 1, got {self.n!r}")
         if max_n is not None and self.n > max_n:
             bad(f"n must be <= {max_n} (the engine's max_n), got {self.n}")
-        if self.temperature < 0:
-            bad(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_finite_real(self.temperature) or self.temperature < 0:
+            bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_finite_real(self.top_p) or not 0 < self.top_p <= 1:
+            bad(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
             bad(f"top_k must be an integer >= 0 (or -1 to disable), got {self.top_k!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            bad(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {v!r}")
+        if self.seed is not None and (
+            not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
+            bad(f"seed must be an integer in [-2**63, 2**63 - 1] or None, got {self.seed!r}")
+        if isinstance(self.stop, str):
+            self.stop_strs = [self.stop]
+        elif self.stop is None or isinstance(self.stop, list | tuple):
+            self.stop_strs = list(self.stop or [])
+        else:
+            bad(f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(not isinstance(s, str) or not s for s in self.stop_strs):
             bad("stop must be a non-empty string or a list of non-empty strings")
-        if self.stop_token_ids is not None and any(
-            not isinstance(t, int) or t < 0 for t in self.stop_token_ids
+        ids = self.stop_token_ids
+        if ids is not None and (
+            not isinstance(ids, list | tuple) or any(not _is_int(t) or t < 0 for t in ids)
         ):
-            bad("stop_token_ids must be a list of non-negative integers")
+            bad(f"stop_token_ids must be a list of non-negative integers, got {ids!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS

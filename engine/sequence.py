@@ -57,7 +57,9 @@ class Sequence:
         self.logprobs: list[dict[int, float]] = []
         self.generator: torch.Generator | None = None
         if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed * 1_000_003 + index)
+            # folded into manual_seed's [0, 2**64); the same seed as before for small seeds
+            seed = (params.seed * 1_000_003 + index) % 2**64
+            self.generator = torch.Generator().manual_seed(seed)
 
     @property
     def lora_name(self) -> str | None:
