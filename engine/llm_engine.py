@@ -10,6 +10,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import ContextLengthError, InvalidRequestError
 from engine.input_processor import InputProcessor
+from engine.lora.adapter import LoRAAdapter
 from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest
 from engine.model_runner import ModelRunner
@@ -100,15 +101,22 @@ class LLMEngine:
 
     # -- adapters ---------------------------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> dict:
-        """Validate and load an adapter into the CPU cache; raises engine.lora.errors.LoRAError."""
-        manager = self._lora_manager()
-        adapter = manager.add_lora(lora_request)
-        return {
-            "name": adapter.name,
-            "source": adapter.source,
-            "rank": adapter.rank,
-            "target_modules": list(adapter.target_modules),
-        }
+        """Validate and load an adapter into the CPU cache; raises engine.lora.errors.LoRAError.
+        Reads from disk/Hub in the caller's thread (see lora_to_read / read_lora / insert_lora)."""
+        return _lora_info(self._lora_manager().add_lora(lora_request))
+
+    def lora_to_read(self, lora_request: LoRARequest) -> LoRARequest | None:
+        """The request read_lora must read, or None if the CPU cache holds the adapter."""
+        return self._lora_manager().lora_to_read(lora_request)
+
+    def read_lora(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """Read and validate an adapter from disk/Hub (raises LoRAError). Touches no engine
+        state: safe in a worker thread, without the engine's lock, while steps run."""
+        return self._lora_manager().read_lora(lora_request)
+
+    def insert_lora(self, lora_request: LoRARequest, adapter: LoRAAdapter) -> dict:
+        """Put an adapter read by read_lora into the CPU cache; quick."""
+        return _lora_info(self._lora_manager().insert_lora(lora_request, adapter))
 
     def remove_lora(self, lora_name: str) -> bool:
         in_use = self.scheduler.adapters_in_use() | {s.lora_name for s in self.scheduler.waiting}
@@ -154,6 +162,15 @@ class LLMEngine:
             "adapters_in_cpu": in_cpu,
             "lora": lora,
         }
+
+
+def _lora_info(adapter: LoRAAdapter) -> dict:
+    return {
+        "name": adapter.name,
+        "source": adapter.source,
+        "rank": adapter.rank,
+        "target_modules": list(adapter.target_modules),
+    }
 
 
 def _model_name(model: str, path: Path) -> str:

@@ -48,27 +48,48 @@ class LoRAManager:
             lin.lora.sync_ranks()
 
     # -- CPU cache --------------------------------------------------------------------
-    def add_lora(self, lora: LoRARequest) -> LoRAAdapter:
-        """Validate and load into the CPU cache (raises LoRAError before touching anything)."""
+    # Loading is split so that the disk/Hub read can run without the engine lock:
+    #   lora_to_read (quick, reads the cache)  ->  read_lora (slow, touches nothing shared)
+    #   ->  insert_lora (quick, under the lock). add_lora does all three in one go.
+    def lora_to_read(self, lora: LoRARequest) -> LoRARequest | None:
+        """The request to read from disk/Hub, or None if the CPU cache already holds it.
+        Only looks at the cache: a stale answer costs a read, never a wrong adapter
+        (insert_lora checks again)."""
+        cached = self.cpu_cache.get(lora.lora_name)
+        if cached is not None:
+            _check_same_source(lora, cached)
+            return None
+        if not lora.lora_path:  # reload by name after a CPU eviction
+            return self.known.get(lora.lora_name, lora)
+        return lora
+
+    def read_lora(self, lora: LoRARequest) -> LoRAAdapter:
+        """Read and validate an adapter (raises LoRAError). Uses only the immutable model spec,
+        so it is safe in a worker thread while the engine steps."""
+        return load_adapter(lora.lora_path, lora.lora_name, self.spec)
+
+    def insert_lora(self, lora: LoRARequest, adapter: LoRAAdapter) -> LoRAAdapter:
+        """Put a read adapter into the CPU cache (evicting the LRU unpinned one if full). If
+        the same adapter got in meanwhile, that copy stays and is returned."""
         name = lora.lora_name
-        if name in self.cpu_cache:
-            cached = self.cpu_cache[name]
-            if lora.lora_path and cached.source != lora.lora_path:
-                raise ValueError(
-                    f"adapter {name!r} is already loaded from {cached.source!r}; "
-                    f"remove it before loading it from {lora.lora_path!r}"
-                )
+        cached = self.cpu_cache.get(name)
+        if cached is not None:
+            _check_same_source(lora, cached)
             self.cpu_cache.move_to_end(name)
             self.num_cpu_hits += 1
             return cached
-        if not lora.lora_path and name in self.known:  # reload by name after a CPU eviction
-            lora = self.known[name]
-        adapter = load_adapter(lora.lora_path, name, self.spec)
         self.num_loads += 1
         self._make_room()
         self.cpu_cache[name] = adapter
         self.known[name] = lora
         return adapter
+
+    def add_lora(self, lora: LoRARequest) -> LoRAAdapter:
+        """Validate and load into the CPU cache (raises LoRAError before touching anything)."""
+        to_read = self.lora_to_read(lora)
+        if to_read is None:
+            return self.insert_lora(lora, self.cpu_cache[lora.lora_name])  # counts the hit
+        return self.insert_lora(to_read, self.read_lora(to_read))
 
     def _make_room(self) -> None:
         while len(self.cpu_cache) >= self.config.max_cpu_loras:
@@ -127,3 +148,11 @@ class LoRAManager:
             "adapters_in_slots": slots,
             "adapters_in_cpu": cpu,
         }
+
+
+def _check_same_source(lora: LoRARequest, cached: LoRAAdapter) -> None:
+    if lora.lora_path and cached.source != lora.lora_path:
+        raise ValueError(
+            f"adapter {lora.lora_name!r} is already loaded from {cached.source!r}; "
+            f"remove it before loading it from {lora.lora_path!r}"
+        )
