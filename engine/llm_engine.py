@@ -13,7 +13,7 @@ from engine.input_processor import InputProcessor
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, ModelRunnerOutput
 from engine.models.loader import resolve_model
 from engine.output_processor import IncrementalDetokenizer, OutputProcessor, RequestState
 from engine.outputs import RequestOutput
@@ -95,9 +95,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduling + forward + sampling round; RequestOutputs that changed."""
         out = self.scheduler.schedule()
-        sampled = self.model_runner.execute(out) if not out.is_empty else {}
+        result = self.model_runner.execute(out) if not out.is_empty else ModelRunnerOutput()
         self.scheduler.update_from_output(out)
-        return self.output_processor.process(out, sampled, self.scheduler)
+        return self.output_processor.process(out, result, self.scheduler)
 
     # -- adapters ---------------------------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> dict:

@@ -2,6 +2,7 @@
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -14,11 +15,22 @@ from engine.models.llama import ForwardContext, LlamaForCausalLM, ModelArgs, rop
 from engine.models.loader import load_model_config, load_state_dict
 from engine.sampler import Sampler, SampleResult
 from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
 from kernels import LoRABatchMeta
 from kernels.cpu_kernel import cpu_lora_op, packed_gemm_fast
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# Prompt logprobs take the lm_head + log_softmax over this many logits at a time (32 MB fp32).
+LOGITS_CHUNK_ELEMS = 2**23
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[int, SampleResult] = field(default_factory=dict)  # seq_id -> sampled token
+    # seq_id -> the next entries of seq.prompt_logprobs (token id -> logprob), in prompt order
+    prompt_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
 
 
 def pick_device(config: EngineConfig) -> torch.device:
@@ -107,8 +119,8 @@ class ModelRunner:
             layer.self_attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[int, SampleResult]:
-        """Run the scheduled tokens; return seq_id -> sampled token for sequences that sample."""
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the scheduled tokens: sampled tokens and prompt logprobs per sequence."""
         if self.lora_manager is not None:
             for slot, lora in out.lora_loads:
                 self.lora_manager.activate(slot, lora)
@@ -116,7 +128,10 @@ class ModelRunner:
         positions: list[int] = []
         token_slots: list[int] = []
         sample_rows: list[int] = []
-        sample_seqs = []
+        sample_seqs: list[Sequence] = []
+        prompt_rows: list[int] = []
+        # (seq, its rows' range in prompt_rows, the prompt token index its first row predicts)
+        prompt_seqs: list[tuple[Sequence, range, int]] = []
         specs = []
         tagged = [
             (s, out.lora_slots[s.seq.lora_name] if s.seq.lora_name is not None else -1)
@@ -124,13 +139,19 @@ class ModelRunner:
         ]
         for s, slot in order_by_slot(tagged):
             seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
+            row0 = len(input_ids)
             input_ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             token_slots.extend([slot] * n)
             specs.append((start, n, seq.block_table))
             if s.sample:
-                sample_rows.append(len(input_ids) - 1)
+                sample_rows.append(row0 + n - 1)
                 sample_seqs.append(seq)
+            wanted = seq.prompt_logprob_positions(start, n)
+            if wanted:
+                rows = range(len(prompt_rows), len(prompt_rows) + len(wanted))
+                prompt_seqs.append((seq, rows, wanted.start + 1))
+                prompt_rows.extend(row0 + p - start for p in wanted)
         dev = self.device
         lora_meta = None
         if self.lora_manager is not None and out.lora_slots:
@@ -142,13 +163,46 @@ class ModelRunner:
             lora=lora_meta,
             lora_backend=self.lora_backend,
         )
-        logits = self.model(
+        # final hidden states of the sampling rows, then of the prompt-logprob rows
+        hidden = self.model.hidden_states(
             torch.tensor(input_ids, device=dev),
             torch.tensor(positions, device=dev),
             ctx,
-            torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            torch.tensor(sample_rows + prompt_rows, dtype=torch.long, device=dev),
         )
-        if not sample_seqs:
-            return {}
-        results = self.sampler(logits.cpu(), sample_seqs)
-        return {seq.seq_id: r for seq, r in zip(sample_seqs, results, strict=True)}
+        result = ModelRunnerOutput()
+        if sample_seqs:
+            logits = self.model.compute_logits(hidden[: len(sample_rows)]).cpu()
+            samples = self.sampler(logits, sample_seqs)
+            for seq, sample in zip(sample_seqs, samples, strict=True):
+                result.sampled[seq.seq_id] = sample
+        prompt_hidden = hidden[len(sample_rows) :]
+        for seq, rows, first in prompt_seqs:
+            result.prompt_logprobs[seq.seq_id] = self._prompt_logprobs(
+                prompt_hidden[rows.start : rows.stop], seq, first
+            )
+        return result
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, seq: Sequence, first: int
+    ) -> list[dict[int, float]]:
+        """Entries for prompt tokens first, first + 1, ... (one per row of hidden: [R, H], the
+        row at the position before each). log_softmax over the full vocabulary in fp32, a
+        chunk of rows at a time: a 2k-token prompt's logits at once would be 400 MB."""
+        k = seq.num_prompt_logprobs or 0
+        chunk = max(1, LOGITS_CHUNK_ELEMS // self.args.vocab_size)
+        entries: list[dict[int, float]] = []
+        for i in range(0, hidden.shape[0], chunk):
+            logp = torch.log_softmax(self.model.compute_logits(hidden[i : i + chunk]), dim=-1)
+            targets = seq.token_ids[first + i : first + i + logp.shape[0]]
+            idx = torch.tensor(targets, device=logp.device)[:, None]
+            own = logp.gather(1, idx)[:, 0].tolist()
+            top_ids, top_vals = [[]] * len(targets), [[]] * len(targets)
+            if k:
+                vals, ids = logp.topk(k, dim=-1)
+                top_ids, top_vals = ids.tolist(), vals.tolist()
+            for t, lp, ids_j, vals_j in zip(targets, own, top_ids, top_vals, strict=True):
+                entry = dict(zip(ids_j, vals_j, strict=True))
+                entry[t] = lp  # the prompt token itself, as the sampled token in logprobs
+                entries.append(entry)
+        return entries

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.lora.request import LoRARequest
+from engine.model_runner import ModelRunnerOutput
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampler import SampleResult
 from engine.sampling_params import SamplingParams
@@ -76,6 +77,7 @@ class RequestState:
         metrics = {"arrival_time": self.arrival_time}
         if self.first_token_time is not None:
             metrics["first_token_time"] = self.first_token_time
+        first = self.seqs[0].prompt_logprobs  # the sequence that ran the whole prompt
         return RequestOutput(
             self.req_id,
             self.prompt,
@@ -84,6 +86,7 @@ class RequestState:
             self.finished,
             self.lora_request,
             metrics,
+            prompt_logprobs=list(first) if first is not None else None,
         )
 
 
@@ -98,21 +101,27 @@ class OutputProcessor:
         self.requests[state.req_id] = state
 
     def process(
-        self, out: SchedulerOutput, sampled: dict[int, SampleResult], scheduler: Scheduler
+        self, out: SchedulerOutput, result: ModelRunnerOutput, scheduler: Scheduler
     ) -> list[RequestOutput]:
+        """Apply one step's results; RequestOutputs of the requests that sampled or finished."""
+        for s in out.scheduled:  # before sampled tokens: a request's first output has them all
+            entries = result.prompt_logprobs.get(s.seq.seq_id)
+            if entries and not s.seq.is_finished:
+                assert len(s.seq.prompt_logprobs) + len(entries) <= s.seq.num_prompt_tokens
+                s.seq.prompt_logprobs.extend(entries)
         touched: dict[str, RequestState] = {}
+        outputs = []
         now = time.monotonic()
         for s in out.scheduled:
             seq = s.seq
-            result = sampled.get(seq.seq_id)
-            if result is None or seq.is_finished:
+            sample = result.sampled.get(seq.seq_id)
+            if sample is None or seq.is_finished:
                 continue
             state = self.requests[seq.req_id]
-            self._append(seq, state, result, scheduler)
+            self._append(seq, state, sample, scheduler)
             if state.first_token_time is None:
                 state.first_token_time = now
             touched[seq.req_id] = state
-        outputs = []
         for req_id, state in touched.items():
             outputs.append(state.make_output())
             if state.finished:

@@ -28,3 +28,6 @@ class RequestOutput:
     finished: bool
     lora_request: LoRARequest | None = None
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished times
+    # Only with SamplingParams.prompt_logprobs: one entry per prompt token, entry 0 None (nothing
+    # predicts the first token), entry j: token id -> logprob for prompt token j and the top-k.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -55,6 +55,14 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] = []
+        # Prompt logprobs: computed by the sequence that runs the whole prompt (index 0; fan-out
+        # children share its blocks). k is fixed here, from the verified params. The list grows
+        # as prefill chunks run (entry j: prompt token j) and is kept across a preemption, so
+        # the recompute only fills what is missing.
+        self.num_prompt_logprobs: int | None = params.prompt_logprobs if index == 0 else None
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if self.num_prompt_logprobs is not None else None
+        )
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             # folded into manual_seed's [0, 2**64); the same seed as before for small seeds
@@ -76,6 +84,16 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    def prompt_logprob_positions(self, start: int, num_new_tokens: int) -> range:
+        """Positions p in this step's [start, start + num_new_tokens) whose logits give a prompt
+        logprob not yet known (that of prompt token p + 1)."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        done = len(self.prompt_logprobs) - 1  # positions [0, done) were already used
+        end = self.num_prompt_tokens - 1  # the last prompt position predicts an output token
+        assert start <= done or done == end, "this sequence skipped prompt positions"
+        return range(max(start, done), min(start + num_new_tokens, end))
 
     @property
     def is_finished(self) -> bool:

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams
 from engine.lora import errors
+from engine.model_runner import ModelRunnerOutput
 from engine.models.llama import PACKED_MODULES
 from tests.lora_fixtures import ADAPTER_SPECS, cpu_kernel_mode, make_adapter_set
 from tests.reference import assert_greedy_match, hf_greedy
@@ -50,7 +51,7 @@ def run_checked(engine: LLMEngine, reqs, params, max_loras: int) -> dict[str, li
         adapters_in_batch = {s.seq.lora_name for s in out.scheduled} - {None}
         assert len(adapters_in_batch) <= max_loras
         max_seen = max(max_seen, len(adapters_in_batch))
-        sampled = engine.model_runner.execute(out) if not out.is_empty else {}
+        sampled = engine.model_runner.execute(out) if not out.is_empty else ModelRunnerOutput()
         engine.scheduler.update_from_output(out)
         for o in engine.output_processor.process(out, sampled, engine.scheduler):
             if o.finished:

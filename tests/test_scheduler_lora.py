@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams
+from engine.model_runner import ModelRunnerOutput
 from tests.lora_fixtures import make_peft_adapter
 from tests.sched_utils import create_scheduler, feed, make_seq
 
@@ -167,7 +168,7 @@ def test_property_random_arrivals(
         assert len(set(out.lora_slots.values())) == len(out.lora_slots)  # one slot each
         assert len(engine.scheduler.running) <= max_num_seqs
         assert out.num_batched_tokens <= budget
-        sampled = engine.model_runner.execute(out) if not out.is_empty else {}
+        sampled = engine.model_runner.execute(out) if not out.is_empty else ModelRunnerOutput()
         engine.scheduler.update_from_output(out)
         for o in engine.output_processor.process(out, sampled, engine.scheduler):
             if o.finished:

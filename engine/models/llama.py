@@ -218,16 +218,29 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         ctx: ForwardContext,
-        sample_rows: torch.Tensor,  # [S] rows whose logits are needed
+        logits_rows: torch.Tensor,  # [S] rows whose logits are needed
     ) -> torch.Tensor:  # [S, vocab] float32
+        return self.compute_logits(self.hidden_states(input_ids, positions, ctx, logits_rows))
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        ctx: ForwardContext,
+        rows: torch.Tensor,  # [S] rows whose final (normed) hidden states are needed
+    ) -> torch.Tensor:  # [S, hidden]
         x = self.embed_tokens(input_ids)
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, ctx)
-        # lm_head only on the rows that sample: the vocab projection dominates small batches
-        return base_linear(self.norm(x[sample_rows]), self.head_weight, None).float()
+        # only the rows that need logits go on: the vocab projection dominates small batches
+        return self.norm(x[rows])
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [S, hidden] from hidden_states -> logits [S, vocab] float32."""
+        return base_linear(hidden, self.head_weight, None).float()
 
     @property
     def head_weight(self) -> torch.Tensor | PackedWeight:
