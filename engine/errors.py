@@ -22,3 +22,22 @@ class ContextLengthError(InvalidRequestError):
             f"prompt, {max_tokens} in the completion). Please reduce the length of the prompt "
             "or the completion."
         )
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this one request (a step that ran it raised); the engine lives on.
+
+    `reason` is "<ExceptionType>: <message>" of what raised (RequestOutput.error).
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class EngineDeadError(RuntimeError):
+    """The engine's background loop died (a bug outside one request); every request fails."""
+
+
+class InjectedFault(RuntimeError):
+    """Raised on purpose by a test-only fault injection (engine/faults.py)."""

@@ -26,7 +26,8 @@ class LLM:
         lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Outputs in the order of the prompts."""
+        """Outputs in the order of the prompts. A request the engine failed comes back
+        finished, with RequestOutput.error set and finish_reason "error"."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         n = len(prompts)
@@ -36,11 +37,15 @@ class LLM:
         if len(params) != n or len(loras) != n:
             raise ValueError("sampling_params and lora_request lists must match the prompts")
         ids = []
-        for prompt, p, lora in zip(prompts, params, loras, strict=True):
-            rid = f"llm-{self._counter}"
-            self._counter += 1
-            self.engine.add_request(rid, prompt, p, lora)
-            ids.append(rid)
+        try:
+            for prompt, p, lora in zip(prompts, params, loras, strict=True):
+                rid = f"llm-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(rid, prompt, p, lora)
+                ids.append(rid)
+        except Exception:  # one invalid prompt: run none of them (they would run unread)
+            self.engine.abort_request(ids)
+            raise
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=n, desc="generate", disable=not use_tqdm)
         while self.engine.has_unfinished_requests():

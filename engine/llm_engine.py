@@ -18,7 +18,7 @@ from engine.models.loader import resolve_model
 from engine.output_processor import IncrementalDetokenizer, OutputProcessor, RequestState
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -31,6 +31,7 @@ class LLMEngine:
         self.model_name = _model_name(config.model, self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_path)
         self.model_runner = ModelRunner(config, self.model_path)
+        self.faults = self.model_runner.faults  # test-only fault injection (engine/faults.py)
         args = self.model_runner.args
         config.finalize(args.max_position_embeddings, self.model_runner.num_kv_blocks)
         # A sequence can never outgrow the whole KV cache.
@@ -93,16 +94,31 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduling + forward + sampling round; RequestOutputs that changed."""
+        """One scheduling + forward + sampling round; RequestOutputs that changed. A failure in
+        the step fails only the requests it ran (finish_reason "error"), never the engine."""
         out = self.scheduler.schedule()
-        result = self.model_runner.execute(out) if not out.is_empty else ModelRunnerOutput()
+        result = self._execute(out)
         self.scheduler.update_from_output(out)
         return self.output_processor.process(out, result, self.scheduler)
+
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        if out.is_empty:
+            return ModelRunnerOutput()
+        try:
+            return self.model_runner.execute(out)
+        except Exception as e:  # the forward or a slot activation: every request it ran fails
+            logger.exception("step %d failed; failing its requests", self.scheduler.step_count)
+            manager = self.model_runner.lora_manager
+            for slot, lora in out.lora_loads:  # a slot whose copy did not finish holds nothing
+                if manager is None or manager.slot_names[slot] != lora.lora_name:
+                    self.scheduler.slots.evict(lora.lora_name)
+            reason = f"{type(e).__name__}: {e}"
+            return ModelRunnerOutput(failed={s.seq.seq_id: reason for s in out.scheduled})
 
     # -- adapters ---------------------------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> dict:
         """Validate and load an adapter into the CPU cache; raises engine.lora.errors.LoRAError.
-        Reads from disk/Hub in the caller's thread (see lora_to_read / read_lora / insert_lora)."""
+        Reads from disk/Hub in the caller's thread (AsyncLLMEngine.add_lora reads off-lock)."""
         return _lora_info(self._lora_manager().add_lora(lora_request))
 
     def lora_to_read(self, lora_request: LoRARequest) -> LoRARequest | None:

@@ -9,6 +9,8 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
+from engine.errors import InjectedFault
+from engine.faults import FaultInjector
 from engine.lora.adapter import LoRAModelSpec
 from engine.lora.manager import LoRAManager
 from engine.models.llama import ForwardContext, LlamaForCausalLM, ModelArgs, rope_inv_freq
@@ -31,6 +33,7 @@ class ModelRunnerOutput:
     sampled: dict[int, SampleResult] = field(default_factory=dict)  # seq_id -> sampled token
     # seq_id -> the next entries of seq.prompt_logprobs (token id -> logprob), in prompt order
     prompt_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
+    failed: dict[int, str] = field(default_factory=dict)  # seq_id -> "<ExceptionType>: <msg>"
 
 
 def pick_device(config: EngineConfig) -> torch.device:
@@ -89,6 +92,7 @@ class ModelRunner:
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_for_memory()
         self._allocate_kv_cache()
         self.sampler = Sampler(config.seed)
+        self.faults = FaultInjector()  # test-only (engine/faults.py)
         self.lora_manager: LoRAManager | None = None
         if config.enable_lora:
             spec = LoRAModelSpec(
@@ -120,7 +124,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """Run the scheduled tokens: sampled tokens and prompt logprobs per sequence."""
+        """Run the scheduled tokens: sampled tokens and prompt logprobs per sequence. Raises if
+        a slot activation or the forward does (the engine then fails the step's requests);
+        a sequence whose sampling or prompt logprobs fail alone is in `failed` instead."""
         if self.lora_manager is not None:
             for slot, lora in out.lora_loads:
                 self.lora_manager.activate(slot, lora)
@@ -163,6 +169,8 @@ class ModelRunner:
             lora=lora_meta,
             lora_backend=self.lora_backend,
         )
+        if self.faults.take("step"):
+            raise InjectedFault("injected step fault (test-only, see engine/faults.py)")
         # final hidden states of the sampling rows, then of the prompt-logprob rows
         hidden = self.model.hidden_states(
             torch.tensor(input_ids, device=dev),
@@ -173,14 +181,20 @@ class ModelRunner:
         result = ModelRunnerOutput()
         if sample_seqs:
             logits = self.model.compute_logits(hidden[: len(sample_rows)]).cpu()
-            samples = self.sampler(logits, sample_seqs)
-            for seq, sample in zip(sample_seqs, samples, strict=True):
-                result.sampled[seq.seq_id] = sample
+            samples, errors = self.sampler.sample_isolated(logits, sample_seqs)
+            for seq, sample, error in zip(sample_seqs, samples, errors, strict=True):
+                if error is not None:
+                    result.failed[seq.seq_id] = error
+                else:
+                    result.sampled[seq.seq_id] = sample
         prompt_hidden = hidden[len(sample_rows) :]
         for seq, rows, first in prompt_seqs:
-            result.prompt_logprobs[seq.seq_id] = self._prompt_logprobs(
-                prompt_hidden[rows.start : rows.stop], seq, first
-            )
+            try:
+                result.prompt_logprobs[seq.seq_id] = self._prompt_logprobs(
+                    prompt_hidden[rows.start : rows.stop], seq, first
+                )
+            except Exception as e:  # fails this request only
+                result.failed[seq.seq_id] = f"{type(e).__name__}: {e}"
         return result
 
     def _prompt_logprobs(

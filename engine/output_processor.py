@@ -103,14 +103,20 @@ class OutputProcessor:
     def process(
         self, out: SchedulerOutput, result: ModelRunnerOutput, scheduler: Scheduler
     ) -> list[RequestOutput]:
-        """Apply one step's results; RequestOutputs of the requests that sampled or finished."""
+        """Apply one step's results; RequestOutputs of the requests that sampled, finished or
+        failed. A request with a failed sequence fails whole (removed, finish_reason "error")."""
+        failed: dict[str, str] = {}
+        for s in out.scheduled:
+            reason = result.failed.get(s.seq.seq_id)
+            if reason is not None and s.seq.req_id in self.requests:
+                failed.setdefault(s.seq.req_id, reason)
+        outputs = [self.fail(req_id, reason, scheduler) for req_id, reason in failed.items()]
         for s in out.scheduled:  # before sampled tokens: a request's first output has them all
             entries = result.prompt_logprobs.get(s.seq.seq_id)
             if entries and not s.seq.is_finished:
                 assert len(s.seq.prompt_logprobs) + len(entries) <= s.seq.num_prompt_tokens
                 s.seq.prompt_logprobs.extend(entries)
         touched: dict[str, RequestState] = {}
-        outputs = []
         now = time.monotonic()
         for s in out.scheduled:
             seq = s.seq
@@ -126,7 +132,18 @@ class OutputProcessor:
             outputs.append(state.make_output())
             if state.finished:
                 del self.requests[req_id]
-        return outputs
+        return [o for o in outputs if o is not None]
+
+    def fail(self, req_id: str, reason: str, scheduler: Scheduler) -> RequestOutput | None:
+        """Remove a request the engine failed: its sequences finish with "error" (blocks freed)."""
+        state = self.requests.pop(req_id, None)
+        if state is None:
+            return None
+        for seq in state.seqs:
+            scheduler.finish(seq, "error")
+        output = state.make_output()
+        output.error = reason
+        return output
 
     def _append(
         self, seq: Sequence, state: RequestState, r: SampleResult, scheduler: Scheduler

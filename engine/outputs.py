@@ -12,7 +12,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, float]] | None  # per generated token: token id -> logprob
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
     def finished(self) -> bool:
@@ -31,3 +31,5 @@ class RequestOutput:
     # Only with SamplingParams.prompt_logprobs: one entry per prompt token, entry 0 None (nothing
     # predicts the first token), entry j: token id -> logprob for prompt token j and the top-k.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # The engine failed this request: "<ExceptionType>: <message>"; finish_reason is "error".
+    error: str | None = None

@@ -18,6 +18,33 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)  # for unseeded requests
 
+    def sample_isolated(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> tuple[list[SampleResult | None], list[str | None]]:
+        """Like __call__, but a row that fails (a bad value that slipped past verification, e.g.
+        params changed after add_request) fails alone: (results, errors), row i has one of the
+        two. If the batch raises, the generators are put back and the rows run one by one, so
+        a seeded row draws what it would have drawn without the failing row."""
+        states = [self.generator.get_state()]
+        states += [s.generator.get_state() for s in seqs if s.generator is not None]
+        try:
+            return list(self(logits, seqs)), [None] * len(seqs)
+        except Exception:
+            pass
+        gens = [self.generator] + [s.generator for s in seqs if s.generator is not None]
+        for gen, state in zip(gens, states, strict=True):
+            gen.set_state(state)
+        results: list[SampleResult | None] = []
+        errors: list[str | None] = []
+        for i, seq in enumerate(seqs):
+            try:
+                results.append(self(logits[i : i + 1], [seq])[0])
+                errors.append(None)
+            except Exception as e:
+                results.append(None)
+                errors.append(f"{type(e).__name__}: {e}")
+        return results, errors
+
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
         """logits: [S, V] float32, row i for seqs[i]."""
         logits = logits.float()

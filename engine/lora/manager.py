@@ -114,6 +114,7 @@ class LoRAManager:
     # -- slots ------------------------------------------------------------------------
     def activate(self, slot: int, lora: LoRARequest) -> None:
         """Copy an adapter into a slot (reloading it from disk if the CPU cache dropped it)."""
+        self.slot_names[slot] = None  # until the copy is complete: a failed one leaves no name
         adapter = self.add_lora(lora)
         R = self.config.max_lora_rank
         r = adapter.rank
