@@ -3,21 +3,35 @@
 The forward pass is blocking CPU/GPU work, so it runs in its own thread; the engine itself is
 not thread-safe, so every call into it holds `self._lock`. Outputs cross back into asyncio
 with loop.call_soon_threadsafe.
+
+Failures (vLLM's names):
+- a request the engine failed in a step (LLMEngine.step's isolation): RequestFailedError
+  raised in that request's generate(); the loop goes on.
+- an exception out of LLMEngine.step() or the loop itself (a bug; the engine's state may be
+  inconsistent): the loop stops, every in-flight request gets EngineDeadError, `errored` is
+  True, `dead_error` holds the error, and check_health() and generate() raise it.
+Adapter reads (disk / Hub) run in a worker thread without the lock, so steps and the caller's
+event loop go on; only the insert into the CPU cache takes the lock.
 """
 
 import asyncio
+import logging
 import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
 
 from engine.config import EngineConfig
+from engine.errors import EngineDeadError, InjectedFault, RequestFailedError
 from engine.llm_engine import LLMEngine
+from engine.lora.adapter import LoRAAdapter
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
-_END = object()
+logger = logging.getLogger(__name__)
+
+Route = tuple[asyncio.AbstractEventLoop, asyncio.Queue]
 
 
 class AsyncLLMEngine:
@@ -25,11 +39,11 @@ class AsyncLLMEngine:
         self.engine = engine or LLMEngine(config or EngineConfig())
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, Route] = {}  # req_id -> where its outputs go
         self._stopping = False
         self._listeners: list[Callable[[list[str], list[str]], None]] = []
         self._residency: tuple[list[str], list[str]] = ([], [])
-        self._errored: BaseException | None = None
+        self._dead_error: EngineDeadError | None = None
         self._thread_stop = False
         self._thread = threading.Thread(target=self._loop, name="raylora-engine", daemon=True)
         self._thread.start()
@@ -42,6 +56,26 @@ class AsyncLLMEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    # -- health -----------------------------------------------------------------------
+    @property
+    def errored(self) -> bool:
+        """True once the loop died (or its thread is gone without a shutdown)."""
+        return self._dead_error is not None or (
+            not self._thread.is_alive() and not self._thread_stop
+        )
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        if self._dead_error is None and self.errored:
+            return EngineDeadError("the engine loop thread is not running")
+        return self._dead_error
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if the loop died. Cheap: takes no lock."""
+        error = self.dead_error
+        if error is not None:
+            raise error
+
     # -- requests ---------------------------------------------------------------------
     async def generate(
         self,
@@ -50,52 +84,75 @@ class AsyncLLMEngine:
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Yields cumulative RequestOutputs; closing the generator aborts the request."""
+        """Yields cumulative RequestOutputs; closing the generator aborts the request. Raises
+        RequestFailedError if the engine failed the request, EngineDeadError if it died."""
+        self.check_health()
         if self._stopping:
             raise RuntimeError("the engine is shutting down")
-        if self._errored is not None:
-            raise RuntimeError("the engine loop died") from self._errored
         request_id = request_id or uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
+        read = await self._read_lora(lora_request) if lora_request is not None else None
 
         def add() -> None:
             with self._lock:
+                self.check_health()  # after a death under this lock, no stream is failed again
+                if read is not None:
+                    self.engine.insert_lora(*read)
                 self.engine.add_request(request_id, prompt, sampling_params, lora_request)
                 self._streams[request_id] = (loop, queue)
 
-        await asyncio.to_thread(add)  # adapter loading may read files: keep the loop free
+        await asyncio.to_thread(add)  # waits for the lock (a step) off the event loop
         self._wakeup.set()
-        finished = False
+        done = False  # finished, failed or dead: nothing left to abort
         try:
             while True:
                 item = await queue.get()
-                if item is _END:
-                    return
                 if isinstance(item, BaseException):
+                    done = True
                     raise item
-                finished = item.finished
+                done = item.finished
                 yield item
-                if finished:
+                if done:
                     return
         finally:
-            if not finished:
+            if not done:
                 await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
         def do() -> None:
             with self._lock:
-                self.engine.abort_request(request_id)
+                if self._dead_error is None:  # a dead engine's state may be inconsistent
+                    self.engine.abort_request(request_id)
                 self._streams.pop(request_id, None)
 
         await asyncio.to_thread(do)
 
     # -- adapters and introspection ----------------------------------------------------
-    def add_lora(self, lora_request: LoRARequest) -> dict:
-        with self._lock:
-            info = self.engine.add_lora(lora_request)
-        self._notify_residency()
-        return info
+    async def add_lora(self, lora_request: LoRARequest) -> dict:
+        """Load an adapter into the CPU cache: read in a worker thread without the engine lock
+        (steps go on), then inserted under it. Raises engine.lora.errors.LoRAError."""
+        read = await self._read_lora(lora_request)
+
+        def insert() -> dict:
+            with self._lock:
+                if read is None:  # cached (or, if evicted since the peek, read under the lock)
+                    info = self.engine.add_lora(lora_request)
+                else:
+                    info = self.engine.insert_lora(*read)
+            self._notify_residency()
+            return info
+
+        return await asyncio.to_thread(insert)
+
+    async def _read_lora(self, lora: LoRARequest) -> tuple[LoRARequest, LoRAAdapter] | None:
+        """(request read, adapter) for an adapter the CPU cache lacks, read from disk/Hub in a
+        worker thread without the lock; None if cached. The cache peek takes no lock either:
+        a stale answer only costs a read later, under the lock (LoRAManager.lora_to_read)."""
+        to_read = self.engine.lora_to_read(lora)
+        if to_read is None:
+            return None
+        return to_read, await asyncio.to_thread(self.engine.read_lora, to_read)
 
     def remove_lora(self, lora_name: str) -> bool:
         with self._lock:
@@ -118,11 +175,18 @@ class AsyncLLMEngine:
         """callback(adapters_in_slots, adapters_in_cpu), called from the engine thread on change."""
         self._listeners.append(callback)
 
+    def inject_fault(self, kind: str) -> None:
+        """Test-only (engine/faults.py). "step": the next step's forward raises, so its
+        requests fail (RequestFailedError) and the engine goes on. "loop": the loop raises
+        outside the step's handling, as a bug would, so the engine dies (EngineDeadError)."""
+        self.engine.faults.arm(kind)
+        self._wakeup.set()
+
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop taking requests, let in-flight ones finish (up to timeout_s), stop the loop."""
         self._stopping = True
         deadline = time.monotonic() + timeout_s
-        while self._streams and time.monotonic() < deadline:
+        while self._streams and time.monotonic() < deadline and not self.errored:
             await asyncio.sleep(0.05)
         self._thread_stop = True
         self._wakeup.set()
@@ -130,35 +194,51 @@ class AsyncLLMEngine:
 
     # -- the loop ---------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._thread_stop:
-            with self._lock:
-                busy = self.engine.has_unfinished_requests()
-            if not busy:
-                self._wakeup.wait(timeout=0.5)
-                self._wakeup.clear()
-                continue
-            try:
+        try:
+            while not self._thread_stop:
+                if self.engine.faults.take("loop"):
+                    raise InjectedFault("injected engine-loop fault (test-only, engine/faults.py)")
+                self._wakeup.clear()  # before the check: a request added after it wakes us
                 with self._lock:
-                    outputs = self.engine.step()
-                    routes = [(o, self._streams.get(o.request_id)) for o in outputs]
-                    for o in outputs:
-                        if o.finished:
-                            self._streams.pop(o.request_id, None)
-            except BaseException as e:  # a bug in a step must not hang every caller
-                self._errored = e
-                self._fail_all(e)
-                return
-            for o, route in routes:
-                if route is not None:
-                    loop, queue = route
-                    loop.call_soon_threadsafe(queue.put_nowait, o)
-            self._notify_residency()
+                    busy = self.engine.has_unfinished_requests()
+                if not busy:
+                    self._wakeup.wait(timeout=0.5)
+                    continue
+                self._step()
+                self._notify_residency()
+        except BaseException as e:  # a bug outside one request: fail everyone, loudly
+            self._die(e)
 
-    def _fail_all(self, e: BaseException) -> None:
+    def _step(self) -> None:
+        with self._lock:
+            outputs = self.engine.step()
+            routes = [(o, self._streams.get(o.request_id)) for o in outputs]
+            for o in outputs:
+                if o.finished:
+                    self._streams.pop(o.request_id, None)
+        gone = []
+        for o, route in routes:
+            item = o if o.error is None else RequestFailedError(o.error)
+            if route is not None and not _deliver(route, item):
+                gone.append(o.request_id)
+        if gone:  # their callers' event loops closed: nobody reads these any more
+            with self._lock:
+                for req_id in gone:
+                    self.engine.abort_request(req_id)
+                    self._streams.pop(req_id, None)
+
+    def _die(self, e: BaseException) -> None:
+        logger.error("the engine loop died; failing every request", exc_info=e)
+        message = f"the engine loop died: {type(e).__name__}: {e}"
+        dead = EngineDeadError(message)
+        dead.__cause__ = e
+        self._dead_error = dead
         with self._lock:
             streams, self._streams = self._streams, {}
-        for loop, queue in streams.values():
-            loop.call_soon_threadsafe(queue.put_nowait, RuntimeError(f"engine step failed: {e!r}"))
+        for route in streams.values():
+            error = EngineDeadError(message)  # one instance per waiter: each gets a traceback
+            error.__cause__ = e
+            _deliver(route, error)
 
     def _notify_residency(self) -> None:
         if not self._listeners:
@@ -169,3 +249,13 @@ class AsyncLLMEngine:
             self._residency = now
             for cb in self._listeners:
                 cb(*now)
+
+
+def _deliver(route: Route, item: RequestOutput | BaseException) -> bool:
+    """Hand an item to a stream's event loop; False if that loop is closed."""
+    loop, queue = route
+    try:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+    except RuntimeError:  # "Event loop is closed"
+        return False
+    return True
