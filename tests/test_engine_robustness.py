@@ -318,6 +318,28 @@ def test_async_loop_death_is_reported(tiny_model_dir, how):
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+def test_a_caller_loop_that_closed_does_not_kill_the_engine(tiny_model_dir):
+    """A caller's event loop closes with its stream open (no aclose ran): delivering to it
+    fails, so the engine aborts that request and goes on."""
+    eng = async_engine(tiny_model_dir)
+    loop = asyncio.new_event_loop()
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    gen = eng.generate(PROMPTS[0], params, "orphan")
+    loop.run_until_complete(first_output(gen))
+    loop.close()
+    deadline = time.monotonic() + 30
+    while eng.stats()["num_running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert eng.stats()["num_running"] == 0 and not eng.errored
+
+    async def after():
+        outs = [o async for o in eng.generate(PROMPTS[1], SamplingParams(**GREEDY), "after")]
+        await eng.shutdown()
+        return outs[-1]
+
+    assert asyncio.run(after()).finished
+
+
 def test_adapter_reads_do_not_block_steps_or_the_event_loop(tmp_path, monkeypatch):
     """While an adapter read takes a second (add_lora, then generate() with an adapter not in
     the CPU cache), a running stream keeps getting tokens and another task keeps running."""
