@@ -218,3 +218,23 @@ def test_llm_generate(tiny_model_dir, hf):
     check_prompt_logprobs(out[0].prompt_logprobs, reference_logprobs(hf, ids), ids, 0)
     text_ids = llm.get_tokenizer()("Hello world!").input_ids
     check_prompt_logprobs(out[1].prompt_logprobs, reference_logprobs(hf, text_ids), text_ids, 0)
+
+
+def test_packed_cpu_gemm_path(tiny_model_dir, hf, monkeypatch):
+    """The packed-weight lm_head (kernels/packed_weight.py) on the sampling rows and on
+    chunks of prompt rows. The engine packs only where the packed GEMM has AVX-512; packing
+    is forced here so the path runs wherever the C++ kernels build."""
+    from kernels import cpu_kernel
+    from kernels.packed_weight import PackedWeight
+
+    monkeypatch.delenv("RAYLORA_CPU_KERNEL", raising=False)
+    if cpu_kernel.cpu_lora_op() is None or cpu_kernel.cpu_linear_packed_op() is None:
+        pytest.skip("the C++ CPU kernels did not build here")
+    monkeypatch.setattr(model_runner_module, "packed_gemm_fast", lambda: True)
+    monkeypatch.setattr(model_runner_module, "LOGITS_CHUNK_ELEMS", 5 * hf.config.vocab_size)
+    engine = make_engine(tiny_model_dir, max_num_batched_tokens=16)
+    assert isinstance(engine.model_runner.model.head_weight, PackedWeight)
+    ids = prompt_ids(29, 41)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=3)
+    done, _ = run_all(engine, {"p": ({"prompt_token_ids": ids}, params)})
+    check_prompt_logprobs(done["p"].prompt_logprobs, reference_logprobs(hf, ids), ids, 3)
