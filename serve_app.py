@@ -104,6 +104,12 @@ APP_ARGS: dict[str, tuple[Any, Any, str]] = {
     "routing_stats_period_s": (float, 2.0, "how often routers read replica residency"),
     "report_interval_s": (float, 5.0, "how often replicas re-report to the registry"),
     "shutdown_timeout_s": (float, 30.0, "graceful shutdown: wait for in-flight requests"),
+    "registry_state_file": (
+        str,
+        None,
+        "absolute path of the adapter catalog's durable record on the head node "
+        "(default: Ray's GCS KV)",
+    ),
 }
 
 
@@ -130,6 +136,9 @@ def parse_args(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     opts["api_key"] = opts["api_key"] or os.environ.get(API_KEY_ENV) or None
     if opts["router"] not in ("affinity", "pow2"):
         raise ValueError(f"router must be affinity or pow2, got {opts['router']!r}")
+    state_file = opts["registry_state_file"]
+    if state_file is not None and not os.path.isabs(state_file):
+        raise ValueError(f"registry_state_file must be an absolute path, got {state_file!r}")
     for name, path in opts["adapters"].items():
         local = path.startswith(("/", ".", "~")) or path.count("/") > 1
         if local and not (Path(path).expanduser() / "adapter_config.json").is_file():
@@ -167,6 +176,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         demo_adapters=opts["demo_adapters"],
         report_interval_s=opts["report_interval_s"],
         shutdown_timeout_s=opts["shutdown_timeout_s"],
+        registry_state_file=opts["registry_state_file"],
     )
     ingress = serve.deployment(
         serve.ingress()(Ingress),
@@ -180,6 +190,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         served_model_name=opts["served_model_name"],
         api_key=opts["api_key"],
         adapter_roots=opts["adapter_roots"],
+        registry_state_file=opts["registry_state_file"],
     )
 
 

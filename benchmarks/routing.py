@@ -38,6 +38,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from deployments.protocol import GenerateRequest, SamplingSpec  # noqa: E402
+
 
 def make_trace(
     num_requests: int, num_adapters: int, zipf_s: float, rate: float, seed: int
@@ -99,14 +101,15 @@ async def replay(handle, trace, max_tokens: int) -> tuple[list[float], list[str]
     errors: list[str] = []
 
     async def one(i: int, adapter: str) -> None:
-        request = {
-            "prompt": f"request {i} for {adapter}:",
-            "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0},
-        }
+        request = GenerateRequest(
+            f"trace-{i}",
+            SamplingSpec(max_tokens=max_tokens, ignore_eos=True, temperature=0),
+            prompt=f"request {i} for {adapter}:",
+        )
         start = time.perf_counter()
         try:
             out = await handle.options(multiplexed_model_id=adapter).complete.remote(request)
-            if not out["finished"]:
+            if not out.finished:
                 raise RuntimeError("unfinished output")
             latencies.append(time.perf_counter() - start)
         except Exception as e:
@@ -148,8 +151,9 @@ def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -
     serve.run(app, name=app_name, route_prefix=None)
     try:
         handle = serve.get_deployment_handle("LLMServer", app_name=app_name)
-        warm = {"prompt": "warm up", "sampling_params": {"max_tokens": 2, "temperature": 0}}
-        for _ in range(4 * args.replicas):  # base model only: no adapter is loaded
+        for i in range(4 * args.replicas):  # base model only: no adapter is loaded
+            spec = SamplingSpec(max_tokens=2, temperature=0)
+            warm = GenerateRequest(f"warm-{i}", spec, prompt="warm up")
             handle.complete.remote(warm).result()
         before = lora_counts(replica_stats(handle, args.replicas))
         t0 = time.perf_counter()

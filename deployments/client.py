@@ -20,10 +20,14 @@ The calls go to the ingress deployment's typed methods (`Ingress.complete`, `.ch
 `serve.get_app_handle(app_name)`, so model-name resolution and validation are the HTTP
 API's. To skip the ingress, call the LLMServer deployment directly:
 
+    from deployments.protocol import GenerateRequest, SamplingSpec
+
     llm = serve.get_deployment_handle("LLMServer", app_name="raylora")
-    out = await llm.options(multiplexed_model_id="caps").complete.remote(
-        {"prompt": "Hello", "sampling_params": {"max_tokens": 16, "temperature": 0}})
-    # -> {"request_id", "prompt", "num_prompt_tokens", "outputs": [{"index", "text", ...}]}
+    request = GenerateRequest(uuid.uuid4().hex, SamplingSpec(max_tokens=16, temperature=0),
+                              prompt="Hello")
+    out = await llm.options(multiplexed_model_id="caps").complete.remote(request)
+    # -> ReplicaOutput(request_id, num_prompt_tokens, outputs=[CompletionDelta(index, text,
+    #    token_ids, ...)], finished, ...); .generate streams ReplicaOutputs of new tokens
 
 Sync methods must not be called from inside an event loop (use the `a*` methods there).
 """

@@ -11,32 +11,56 @@ Three layers, so the HTTP behaviour is tested without Ray:
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
 from deployments.grpc_bind import bind_replica_grpc_to_node_ip
 from deployments.openai_app import build_openai_app
-from deployments.openai_serving import OpenAIServing
-from deployments.protocol import (
+from deployments.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
     validate_as,
 )
+from deployments.openai_serving import OpenAIServing
+from deployments.protocol import APIError, GenerateRequest, ReplicaOutput
 
 # A replica that dies mid-request (its node is lost, it is OOM-killed) fails the call with a
-# RayActorError, which Serve's handle does not retry. Before anything reached the client the
-# request is retried (the router drops or probes the dead replica), at most this many times.
+# RayActorError, which Serve's handle does not retry; one whose engine loop died answers 503
+# engine_dead. Before anything reached the client the request is retried (the router drops,
+# probes or routes around the dead replica), at most this many times.
 MAX_REPLICA_RETRIES = 3
 REPLICA_RETRY_BACKOFF_S = 0.5  # doubled after each retry
 
 
 def _replica_died(exc: BaseException) -> bool:
+    """The replica is gone (RayActorError) or its engine loop died (an engine_dead 503 until
+    Serve replaces it): another replica can take the request."""
     from ray.exceptions import RayActorError
 
-    return isinstance(exc, RayActorError)
+    cause = getattr(exc, "cause", exc)
+    return isinstance(exc, RayActorError) or (
+        isinstance(cause, APIError) and cause.code == "engine_dead"
+    )
+
+
+def _own_request_context(request_id: str) -> None:
+    """Give the handle calls made from here on (in this task) their own Serve request ids.
+
+    Ray Serve 2.60 keys a router's pending requests by the caller's internal request id,
+    which every handle call made while serving one HTTP request inherits: of two concurrent
+    calls (the prompts of a batched completion) the second is taken for a retry of the first
+    and is never routed. Each replica call is a request of its own, so it gets its own ids
+    (the engine request id, which also shows in Serve's logs).
+    """
+    try:
+        from ray.serve.context import _set_request_context
+    except ImportError:  # Serve's private API moved: one prompt per request still works
+        return
+    _set_request_context(request_id=request_id, _internal_request_id=uuid.uuid4().hex)
 
 
 class ServeLLMBackend:
@@ -49,8 +73,9 @@ class ServeLLMBackend:
     def __init__(self, handle) -> None:
         self._handle = handle
 
-    async def stream(self, request: dict, adapter: str) -> AsyncIterator[dict]:
+    async def stream(self, request: GenerateRequest, adapter: str) -> AsyncIterator[ReplicaOutput]:
         handle = self._handle.options(stream=True, multiplexed_model_id=adapter)
+        _own_request_context(request.request_id)
         for attempt in range(MAX_REPLICA_RETRIES + 1):
             gen = handle.generate.remote(request)
             done = started = False
@@ -68,8 +93,9 @@ class ServeLLMBackend:
                     gen.cancel()  # the replica's generator is cancelled -> the engine aborts
             await asyncio.sleep(REPLICA_RETRY_BACKOFF_S * 2**attempt)
 
-    async def complete(self, request: dict, adapter: str) -> dict:
+    async def complete(self, request: GenerateRequest, adapter: str) -> ReplicaOutput:
         handle = self._handle.options(multiplexed_model_id=adapter)
+        _own_request_context(request.request_id)
         for attempt in range(MAX_REPLICA_RETRIES):
             try:
                 return await handle.complete.remote(request)
@@ -118,11 +144,13 @@ class Ingress:
         served_model_name: str | None = None,
         api_key: str | None = None,
         adapter_roots: list[str] | None = None,
+        registry_state_file: str | None = None,
     ) -> None:
         from deployments.registry import get_or_create_registry
 
         bind_replica_grpc_to_node_ip()
-        registry = ActorRegistry(await asyncio.to_thread(get_or_create_registry))
+        actor = await asyncio.to_thread(get_or_create_registry, state_file=registry_state_file)
+        registry = ActorRegistry(actor)
         self.serving = OpenAIServing(
             ServeLLMBackend(llm_handle), registry, served_model_name, api_key, adapter_roots
         )

@@ -1,16 +1,17 @@
 """LLMServer: one Ray Serve replica around an AsyncLLMEngine.
 
-The adapter of a request is its multiplexed model id (`handle.options(multiplexed_model_id=
-name)`); "" means the base model. The adapter is looked up in the catalog (the
-AdapterRegistry's `list_adapters`, cached here, plus the adapters the app was built with)
-and loaded into the engine's CPU cache on first use. The engine's own LRU decides what stays
-in the CPU cache and in the slots; this replica reports every change of that residency, and
-the full state every `report_interval_s`, to the registry (so a restarted registry recovers)
-and, through `record_routing_stats`, to the AdapterAffinityRouter. `record_autoscaling_stats`
-feeds the adapter-aware autoscaling policy (cluster/autoscaling.py).
+Requests come in as `deployments.protocol.GenerateRequest` and go back as a stream of
+`ReplicaOutput`. The adapter of a request is its multiplexed model id (`handle.options(
+multiplexed_model_id=name)`); "" means the base model. The adapter is looked up in the
+catalog (deployments/replica_reporter.py: the AdapterRegistry's listing, plus the adapters
+the app was built with) and read into the engine's CPU cache on first use, in a worker
+thread: streams on this replica go on while an adapter is read from disk or the Hub. The
+engine's own LRU decides what stays in the CPU cache and in the slots; the reporter tells
+the registry and, through `record_routing_stats`, the AdapterAffinityRouter.
 
-Errors leave this replica as `deployments.protocol.APIError` with the HTTP status, so
-callers never unpickle engine classes (and never import torch for it).
+Errors leave this replica as `APIError` with the HTTP status. A request the engine fails
+(its step raised) is a 500 for that request only; if the engine loop itself dies,
+`check_health` raises, and Serve replaces the replica.
 
 The class is undecorated; serve_app wraps it with `serve.deployment` so options are
 configurable.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -27,20 +29,21 @@ from typing import Any
 
 from ray import serve
 
-from deployments import metrics
 from deployments.grpc_bind import bind_replica_grpc_to_node_ip
-from deployments.protocol import APIError
+from deployments.protocol import APIError, GenerateRequest, ReplicaOutput
 from deployments.replica_io import (
+    RequestMetrics,
     adapter_entry,
-    completion_dict,
     initial_adapters,
-    output_dict,
     to_api_error,
+    to_replica_output,
 )
+from deployments.replica_reporter import ReplicaReporter, get_registry_or_none
 
 logger = logging.getLogger("ray.serve")
 
-REGISTRY_CALL_TIMEOUT_S = 5.0
+# Test and soak-benchmark only: lets `inject_fault` break this replica's engine on purpose.
+FAULT_INJECTION_ENV = "RAYLORA_FAULT_INJECTION"
 
 
 def _replica_id() -> str:
@@ -48,16 +51,6 @@ def _replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # outside Serve (tests, a plain actor)
         return f"local-{uuid.uuid4().hex[:8]}"
-
-
-def _get_registry():
-    try:
-        from deployments.registry import get_or_create_registry
-
-        return get_or_create_registry()
-    except Exception as e:  # serving works without a registry; routing is just less sticky
-        logger.warning("raylora: no adapter registry (%s); continuing without it", e)
-        return None
 
 
 class LLMServer:
@@ -70,6 +63,7 @@ class LLMServer:
         demo_adapters: bool = False,
         report_interval_s: float = 5.0,
         shutdown_timeout_s: float = 30.0,
+        registry_state_file: str | None = None,
     ) -> None:
         from engine import AsyncLLMEngine, EngineConfig
 
@@ -79,10 +73,8 @@ class LLMServer:
         self._max_loras = int(config.max_loras)
         self.model_name: str = self.engine.model_name
         self.replica_id = _replica_id()
-        self._report_interval_s = report_interval_s
         self._shutdown_timeout_s = shutdown_timeout_s
-        # name -> registry spec: the adapters the app was built with until the registry answers
-        self._catalog: dict[str, dict] = {
+        catalog = {
             name: adapter_entry(name, path, self.model_name)
             for name, path in initial_adapters(adapters, demo_adapters).items()
         }
@@ -94,28 +86,20 @@ class LLMServer:
         self._adapter_inflight: dict[str, int] = {}  # adapter -> requests in flight here
         # (monotonic time, num_requests, slot activations) at the last autoscaling sample
         self._autoscaling_sample = (time.monotonic(), 0, 0)
-        self._last_lora_stats: dict[str, int] = {}
-        self._registry = _get_registry()
-        self._loop = asyncio.get_running_loop()
-        self._residency_changed = asyncio.Event()
-        self.engine.add_residency_listener(self._on_residency)
-        try:  # registers the initial adapters; a registry that is down must not stop serving
-            await self._report(sync_catalog=True)
-        except Exception as e:
-            logger.warning("raylora: first residency report failed: %s", e)
-        self._reporter = asyncio.create_task(self._report_loop())
+        self.reporter = ReplicaReporter(
+            self.engine,
+            self.replica_id,
+            catalog,
+            report_interval_s,
+            get_registry=lambda: get_registry_or_none(registry_state_file),
+        )
+        await self.reporter.start()
 
     # ------------------------------------------------------------------ requests
 
-    async def generate(self, request: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
-        """Stream one request: yields {"request_id", "prompt", "num_prompt_tokens",
-        "outputs": [{"index", "text", "token_ids", "logprobs", "finish_reason",
-        "stop_reason"}], "finished"} where text/token_ids/logprobs are the new part only.
-
-        request: {"prompt": str} | {"prompt_token_ids": [...]} | {"messages": [...]},
-        "sampling_params": SamplingParams kwargs, optional "request_id", optional "adapter"
-        (used only when no multiplexed model id is set).
-        """
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[ReplicaOutput, None]:
+        """Stream one request: each ReplicaOutput carries only what is new (text, token ids,
+        logprobs of each completion); the first one also the prompt fields it asked for."""
         seen: dict[int, tuple[int, int]] = {}  # index -> (len(text), len(token_ids)) sent
         async for out, first in self._run(request):
             deltas = []
@@ -127,55 +111,59 @@ class LLMServer:
                 end = len(o.text) if o.finish_reason else len(o.text.rstrip("\ufffd"))
                 end = max(end, num_chars)
                 seen[o.index] = (end, len(o.token_ids))
-                deltas.append(completion_dict(o, num_chars, num_tokens, end, self._token_text))
+                deltas.append((o, num_chars, num_tokens, end))
             if deltas or out.finished:
-                yield output_dict(out, deltas, first)
+                yield self._output(out, deltas, first, request)
 
-    async def complete(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Run one request to the end; same dict as `generate` with the full texts."""
+    async def complete(self, request: GenerateRequest) -> ReplicaOutput:
+        """Run one request to the end; one ReplicaOutput with the whole completions."""
         final = None
         async for out, _ in self._run(request):
             final = out
         if final is None:
             raise APIError(500, "the engine returned no output", "server_error")
-        return output_dict(
-            final, [completion_dict(o, 0, 0, None, self._token_text) for o in final.outputs], True
-        )
+        return self._output(final, [(o, 0, 0, None) for o in final.outputs], True, request)
 
-    async def _run(self, request: dict[str, Any]):
+    def _output(self, out, deltas, first: bool, request: GenerateRequest) -> ReplicaOutput:
+        prompt = None
+        if first and request.echo:
+            prompt = out.prompt
+            if prompt is None:  # the prompt came as token ids
+                prompt = self.engine.tokenizer.decode(out.prompt_token_ids)
+        return to_replica_output(out, deltas, first, prompt, self._token_text)
+
+    async def _run(self, request: GenerateRequest):
         from engine import SamplingParams
 
-        adapter = serve.get_multiplexed_model_id() or request.get("adapter") or ""
-        req_id = request.get("request_id") or uuid.uuid4().hex
-        tags = {"adapter": adapter or "<base>"}
-        start = time.perf_counter()
-        first_token_time = None
-        num_tokens = 0
+        if not isinstance(request, GenerateRequest):
+            raise APIError(400, "LLMServer takes a deployments.protocol.GenerateRequest")
+        adapter = serve.get_multiplexed_model_id()
         gen = None
         finished = False
+        timing = RequestMetrics(adapter)
         self._num_inflight += 1
         self._num_requests += 1
         if adapter:
             self._adapter_inflight[adapter] = self._adapter_inflight.get(adapter, 0) + 1
         try:
+            request.check()
             lora_request = await self._lora_request(adapter) if adapter else None
-            params = SamplingParams(**request.get("sampling_params", {}))
-            gen = self.engine.generate(self._prompt(request), params, req_id, lora_request)
+            prompt, num_prompt_tokens = self._engine_prompt(request)
+            kwargs = request.sampling.engine_kwargs()
+            if kwargs["max_tokens"] is None and request.default_max_tokens is not None:
+                room = self.engine.engine.config.max_model_len - num_prompt_tokens
+                kwargs["max_tokens"] = max(1, min(request.default_max_tokens, room))
+            params = SamplingParams(**kwargs)
+            gen = self.engine.generate(prompt, params, request.request_id, lora_request)
             first = True
             async for out in gen:
                 finished = out.finished
-                num_tokens = sum(len(o.token_ids) for o in out.outputs)
-                if first_token_time is None and num_tokens:
-                    first_token_time = time.perf_counter()
-                    metrics.TTFT.observe(first_token_time - start, tags=tags)
+                timing.on_output(out)
                 yield out, first
                 first = False
-            if first_token_time is not None and num_tokens > 1:
-                tpot = (time.perf_counter() - first_token_time) / (num_tokens - 1)
-                metrics.TPOT.observe(tpot, tags=tags)
-            metrics.REPLICA_REQUESTS.inc(tags={**tags, "status": "ok"})
+            timing.on_finish("ok")
         except BaseException as e:
-            metrics.REPLICA_REQUESTS.inc(tags={**tags, "status": type(e).__name__})
+            timing.on_finish(type(e).__name__)
             err = to_api_error(e) if isinstance(e, Exception) else e
             if err is e:
                 raise
@@ -191,14 +179,17 @@ class LLMServer:
             if gen is not None:
                 await gen.aclose()  # aborts the engine request if it is still running
 
-    def _prompt(self, request: dict[str, Any]) -> str | dict[str, list[int]]:
-        if "messages" in request:
-            return self.engine.apply_chat_template(request["messages"])
-        if "prompt_token_ids" in request:
-            return {"prompt_token_ids": list(request["prompt_token_ids"])}
-        if "prompt" in request:
-            return request["prompt"]
-        raise APIError(400, "request has no prompt, prompt_token_ids or messages")
+    def _engine_prompt(self, request: GenerateRequest) -> tuple[dict, int]:
+        """(the prompt as engine.generate takes it, its number of tokens). Tokenized here,
+        once, so the default max_tokens can be fitted to the context that is left."""
+        processor = self.engine.engine.input_processor
+        if request.messages is not None:
+            text, ids = processor.process(self.engine.apply_chat_template(request.messages))
+        elif request.prompt_token_ids is not None:
+            text, ids = processor.process({"prompt_token_ids": list(request.prompt_token_ids)})
+        else:
+            text, ids = processor.process(request.prompt)
+        return {"prompt_token_ids": ids, "prompt": text}, len(ids)
 
     def _token_text(self, token_id: int) -> str:
         tokenizer = getattr(self.engine, "tokenizer", None)
@@ -211,10 +202,10 @@ class LLMServer:
     async def _lora_request(self, name: str):
         from engine import LoRARequest
 
-        entry = self._catalog.get(name)
+        entry = self.reporter.catalog.get(name)
         if entry is None:
-            await self._refresh_catalog()
-            entry = self._catalog.get(name)
+            await self.reporter.refresh_catalog()
+            entry = self.reporter.catalog.get(name)
         if entry is None:
             raise APIError(
                 404,
@@ -228,7 +219,7 @@ class LLMServer:
             lock = self._load_locks.setdefault(name, asyncio.Lock())
             async with lock:  # one load per adapter, however many requests wait for it
                 if name not in self.engine.list_loras():
-                    self.engine.add_lora(lora_request)
+                    await self.engine.add_lora(lora_request)  # read in a worker thread
         return lora_request
 
     def _lora_int_id(self, name: str) -> int:
@@ -244,7 +235,8 @@ class LLMServer:
         try:
             if name in self.engine.list_loras():
                 self.engine.remove_lora(name)  # a re-load with another path replaces it
-            info = self.engine.add_lora(LoRARequest(name, self._lora_int_id(name), path))
+            lora = LoRARequest(name, self._lora_int_id(name), path)
+            info = await self.engine.add_lora(lora)
         except Exception as e:
             raise to_api_error(e) from None
         entry = {
@@ -253,89 +245,21 @@ class LLMServer:
             "target_modules": list(info["target_modules"]),
             "base_model": self.model_name,
         }
-        self._catalog[name] = entry
+        self.reporter.catalog[name] = entry
         return entry
 
     async def unload_adapter(self, name: str) -> bool:
-        self._catalog.pop(name, None)
-        return bool(self.engine.remove_lora(name))
+        """Forget an adapter here now (the registry's unload reaches every replica at its
+        next catalog sync anyway); one with requests in flight is freed when they finish."""
+        from engine.errors import InvalidRequestError
 
-    # ------------------------------------------------------------------ residency + registry
-
-    def _on_residency(self, adapters_in_slots: list[str], adapters_in_cpu: list[str]) -> None:
-        # Called from the engine thread: hand over to our loop, and never raise into it.
+        self.reporter.catalog.pop(name, None)
         try:
-            self._loop.call_soon_threadsafe(self._residency_changed.set)
-        except RuntimeError:  # our loop is closed (replica shutting down)
-            pass
+            return bool(self.engine.remove_lora(name))
+        except InvalidRequestError:
+            return False
 
-    async def _report_loop(self) -> None:
-        while True:
-            try:
-                await asyncio.wait_for(self._residency_changed.wait(), self._report_interval_s)
-                periodic = False
-            except asyncio.TimeoutError:
-                periodic = True
-            self._residency_changed.clear()
-            try:
-                await self._report(sync_catalog=periodic)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                logger.warning("raylora: residency report failed: %s", e)
-
-    async def _report(self, sync_catalog: bool) -> None:
-        """Push residency to the registry (+ the catalog this replica knows); on a periodic
-        report also refresh the catalog and drop adapters that were unregistered."""
-        stats = self.engine.stats()
-        self._update_metrics(stats)
-        if self._registry is None:
-            self._registry = _get_registry()
-            if self._registry is None:
-                return
-        await asyncio.wait_for(
-            self._registry.report_residency.remote(
-                self.replica_id,
-                list(stats["adapters_in_slots"]),
-                list(stats["adapters_in_cpu"]),
-                self._catalog,
-            ),
-            REGISTRY_CALL_TIMEOUT_S,
-        )
-        if sync_catalog:
-            await self._refresh_catalog()
-            for name in self.engine.list_loras():
-                if name not in self._catalog:  # unloaded through the API: free its memory
-                    self.engine.remove_lora(name)
-
-    async def _refresh_catalog(self) -> None:
-        if self._registry is None:
-            return
-        try:
-            listed = await asyncio.wait_for(
-                self._registry.list_adapters.remote(), REGISTRY_CALL_TIMEOUT_S
-            )
-        except Exception as e:
-            logger.warning("raylora: registry list_adapters failed: %s", e)
-            return
-        self._catalog = listed
-
-    def _update_metrics(self, stats: dict[str, Any]) -> None:
-        tags = {"replica": self.replica_id}
-        metrics.NUM_RUNNING.set(stats.get("num_running", 0), tags=tags)
-        metrics.NUM_WAITING.set(stats.get("num_waiting", 0), tags=tags)
-        metrics.ADAPTERS_IN_SLOTS.set(len(stats.get("adapters_in_slots", [])), tags=tags)
-        metrics.ADAPTERS_IN_CPU.set(len(stats.get("adapters_in_cpu", [])), tags=tags)
-        lora = stats.get("lora", {})
-        for key, counter in metrics.LORA_COUNTERS.items():
-            value = int(lora.get(key, 0))
-            delta = value - self._last_lora_stats.get(key, 0)
-            if delta > 0:
-                counter.inc(delta, tags=tags)
-            self._last_lora_stats[key] = value
-        hits, misses = lora.get("hits", 0), lora.get("misses", 0)
-        if hits + misses:
-            metrics.SLOT_HIT_RATIO.set(hits / (hits + misses), tags=tags)
+    # ------------------------------------------------------------------ stats for routing
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Read by the AdapterAffinityRouter every request_routing_stats_period_s."""
@@ -345,6 +269,7 @@ class LLMServer:
             "adapters_in_cpu": list(stats["adapters_in_cpu"]),
             "num_running": int(stats["num_running"]),
             "num_waiting": int(stats["num_waiting"]),
+            "engine_dead": bool(self.engine.errored),  # the router routes around it
         }
 
     def record_autoscaling_stats(self) -> dict[str, float]:
@@ -378,7 +303,11 @@ class LLMServer:
     # ------------------------------------------------------------------ info + lifecycle
 
     def model_info(self) -> dict[str, Any]:
-        return {"model_name": self.model_name, "replica_id": self.replica_id}
+        return {
+            "model_name": self.model_name,
+            "replica_id": self.replica_id,
+            "max_model_len": self.engine.engine.config.max_model_len,
+        }
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -389,22 +318,26 @@ class LLMServer:
         }
 
     def check_health(self) -> None:
-        """Serve calls this every health_check_period_s; raising marks the replica unhealthy."""
-        if getattr(self.engine, "errored", False):
-            raise RuntimeError(f"engine loop died: {getattr(self.engine, 'error', '?')}")
-        self.engine.stats()
-        if self._reporter.done() and not self._reporter.cancelled():
-            logger.warning("raylora: reporter stopped (%s); restarting", self._reporter.exception())
-            self._reporter = asyncio.create_task(self._report_loop())
+        """Serve calls this every health_check_period_s; raising marks the replica unhealthy
+        and Serve replaces it. The engine raises EngineDeadError once its loop died."""
+        self.engine.check_health()
+        self.reporter.ensure_running()
+
+    def inject_fault(self, kind: str) -> str:
+        """Break this replica's engine on purpose ("step": the next step fails; "loop": the
+        engine loop dies), for the fault tests and benchmarks/soak.py. Refused unless the
+        replica runs with RAYLORA_FAULT_INJECTION=1."""
+        if os.environ.get(FAULT_INJECTION_ENV) != "1":
+            raise APIError(403, f"fault injection is off (set {FAULT_INJECTION_ENV}=1)")
+        self.engine.inject_fault(kind)
+        return self.replica_id
 
     async def __del__(self) -> None:
         """Graceful shutdown: Serve has stopped routing here; let in-flight requests finish
         (bounded by shutdown_timeout_s), then stop the engine and leave the registry."""
-        reporter = getattr(self, "_reporter", None)
+        reporter = getattr(self, "reporter", None)
         if reporter is not None:
-            reporter.cancel()
-        if self._registry is not None:
-            self._registry.remove_replica.remote(self.replica_id)
+            reporter.stop()
         try:
             await asyncio.wait_for(
                 self.engine.shutdown(self._shutdown_timeout_s), self._shutdown_timeout_s + 5

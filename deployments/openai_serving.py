@@ -13,13 +13,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from pydantic import BaseModel
 
 from deployments import metrics
-from deployments.protocol import (
-    APIError,
+from deployments.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     LoadLoRAAdapterRequest,
@@ -27,7 +26,9 @@ from deployments.protocol import (
     ModelList,
     UnloadLoRAAdapterRequest,
 )
+from deployments.protocol import APIError, GenerateRequest, ReplicaOutput
 from deployments.responses import ChunkBuilder, build_chat_response, build_completion_response
+from deployments.streams import gather_cancelling, merge_streams
 
 CATALOG_TTL_S = 2.0
 RECOVERY_WAIT_S = 30.0  # longest a request waits on a restarted registry for its adapter
@@ -37,8 +38,8 @@ RECOVERY_POLL_S = 0.5
 class LLMBackend(Protocol):
     """What the ingress needs from the engine replicas. `adapter` "" = the base model."""
 
-    def stream(self, request: dict, adapter: str) -> AsyncIterator[dict]: ...
-    async def complete(self, request: dict, adapter: str) -> dict: ...
+    def stream(self, request: GenerateRequest, adapter: str) -> AsyncIterator[ReplicaOutput]: ...
+    async def complete(self, request: GenerateRequest, adapter: str) -> ReplicaOutput: ...
     async def load_adapter(self, name: str, path: str) -> dict: ...
     async def model_info(self) -> dict: ...
 
@@ -164,42 +165,58 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ generation
 
-    async def _prepare(self, req: CompletionRequest | ChatCompletionRequest) -> tuple[dict, str]:
+    async def _prepare(
+        self, req: CompletionRequest | ChatCompletionRequest
+    ) -> tuple[list[GenerateRequest], str, str]:
+        """(one GenerateRequest per prompt, the adapter, the request id). The request id is
+        minted here, once; a batch's prompts get `<id>-<prompt index>` (vLLM's scheme)."""
         adapter = await self.resolve_model(req.model)
-        engine_request: dict[str, Any] = {
-            "sampling_params": req.sampling_params(),
-            "request_id": uuid.uuid4().hex,
-        }
+        spec = req.sampling_spec()
+        request_id = uuid.uuid4().hex
+        default = req.default_max_tokens()
         if isinstance(req, ChatCompletionRequest):
-            engine_request["messages"] = req.chat_messages()
-        else:
-            prompt = req.single_prompt()
-            key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
-            engine_request[key] = prompt
-        if adapter:
-            engine_request["adapter"] = adapter
-        return engine_request, adapter
+            gen = GenerateRequest(
+                request_id, spec, messages=req.chat_messages(), default_max_tokens=default
+            )
+            return [gen], adapter, request_id
+        prompts = req.prompts()
+        gens = [
+            GenerateRequest(
+                request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                spec,
+                prompt=p if isinstance(p, str) else None,
+                prompt_token_ids=None if isinstance(p, str) else list(p),
+                default_max_tokens=default,
+                echo=req.echo,
+            )
+            for i, p in enumerate(prompts)
+        ]
+        return gens, adapter, request_id
+
+    @staticmethod
+    def _response_id(req: CompletionRequest | ChatCompletionRequest, request_id: str) -> str:
+        return f"{'chatcmpl' if isinstance(req, ChatCompletionRequest) else 'cmpl'}-{request_id}"
 
     async def complete(self, req: CompletionRequest | ChatCompletionRequest) -> BaseModel:
-        """A non-streamed completion or chat completion."""
-        engine_request, adapter = await self._prepare(req)
+        """A non-streamed completion (of every prompt of a batch) or chat completion."""
+        gens, adapter, request_id = await self._prepare(req)
         try:
-            out = await self.llm.complete(engine_request, adapter)
+            outs = await gather_cancelling([self.llm.complete(g, adapter) for g in gens])
         except Exception as e:
             raise map_exception(e) from None
-        tags = {"model": req.model}
-        metrics.TOKENS_GENERATED.inc(sum(len(o["token_ids"]) for o in out["outputs"]), tags)
+        metrics.TOKENS_GENERATED.inc(sum(o.num_new_tokens for o in outs), {"model": req.model})
+        response_id = self._response_id(req, request_id)
         if isinstance(req, ChatCompletionRequest):
-            return build_chat_response(req, out)
-        return build_completion_response(req, out)
+            return build_chat_response(req, outs[0], response_id)
+        return build_completion_response(req, outs, response_id)
 
     async def stream(self, req: CompletionRequest | ChatCompletionRequest) -> AsyncIterator[dict]:
         """Chunk dicts (OpenAI's *.chunk objects). Errors before the first chunk raise
         APIError; later ones end the stream with an {"error": ...} chunk."""
-        engine_request, adapter = await self._prepare(req)
-        builder = ChunkBuilder(req)
+        gens, adapter, request_id = await self._prepare(req)
+        builder = ChunkBuilder(req, self._response_id(req, request_id))
         start = time.perf_counter()
-        outputs = self.llm.stream(engine_request, adapter)
+        outputs = merge_streams([self.llm.stream(g, adapter) for g in gens])
         try:
             first = await outputs.__anext__()
         except StopAsyncIteration:
@@ -217,12 +234,12 @@ class OpenAIServing:
         try:
             item = first
             while item is not None:
-                new_tokens = sum(len(o["token_ids"]) for o in item["outputs"])
-                if new_tokens and first_token_time is None:
+                prompt_index, out = item
+                if out.num_new_tokens and first_token_time is None:
                     first_token_time = time.perf_counter()
                     metrics.INGRESS_TTFT.observe(first_token_time - start, tags)
-                num_tokens += new_tokens
-                for chunk in builder.chunks(item):
+                num_tokens += out.num_new_tokens
+                for chunk in builder.chunks(out, prompt_index):
                     yield chunk
                 try:
                     item = await outputs.__anext__()
@@ -238,7 +255,7 @@ class OpenAIServing:
             yield map_exception(e).to_dict()
         finally:
             metrics.TOKENS_GENERATED.inc(num_tokens, tags)
-            await outputs.aclose()  # a client that went away: cancels the replica's request
+            await outputs.aclose()  # a client that went away: cancels the replicas' requests
 
     # ------------------------------------------------------------------ adapters
 
@@ -284,16 +301,19 @@ class OpenAIServing:
         return f"Success: LoRA adapter '{name}' added successfully."
 
     async def unload_adapter(self, req: UnloadLoRAAdapterRequest) -> str:
-        removed = self.registry is not None and await self.registry.unregister_adapter(
-            req.lora_name
-        )
-        if not removed and self._catalog.pop(req.lora_name, None) is None:
+        # The registry is the catalog: its durable unload (a tombstone) is what keeps the
+        # adapter unloaded across restarts, so without it there is nothing to unload.
+        if self.registry is not None:
+            removed = await self.registry.unregister_adapter(req.lora_name)
+        else:
+            removed = req.lora_name in self._catalog
+        self._catalog.pop(req.lora_name, None)
+        if not removed:
             raise APIError(
                 404,
                 f"The lora adapter '{req.lora_name}' cannot be found.",
                 param="lora_name",
                 code="model_not_found",
             )
-        self._catalog.pop(req.lora_name, None)
         # Replicas drop it from memory at their next catalog sync (report_interval_s).
         return f"Success: LoRA adapter '{req.lora_name}' removed successfully."

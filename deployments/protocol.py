@@ -1,23 +1,42 @@
-"""OpenAI-compatible request/response models and the error shape (as vLLM serves them).
+"""The replica boundary: what crosses the two Ray hops (caller -> LLMServer -> caller).
 
-Requests are parsed leniently (unknown fields are ignored, as OpenAI's and vLLM's servers
-do); fields raylora cannot honour are rejected with a 400 rather than silently dropped.
-Responses are built as these models and sent as JSON.
+Typed dataclasses, not dicts: `GenerateRequest` goes in, a stream of `ReplicaOutput` comes
+back, and errors travel as `APIError`, so a caller never unpickles engine classes (and never
+imports torch for it). The OpenAI request and response models of the HTTP surface are in
+deployments/openai_protocol.py.
+
+- The request id is minted once, by whoever builds the GenerateRequest (the ingress, or a
+  handle caller), and it is the engine's request id.
+- The adapter travels once, as the handle's multiplexed model id ("" = the base model): that
+  is what the request router routes on and what the replica serves.
+- `SamplingSpec` mirrors engine.SamplingParams field for field (this module must not import
+  the engine); the replica builds SamplingParams from it, and the engine validates it again.
 """
 
-import time
-import uuid
-from typing import Any, Literal
+from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from dataclasses import dataclass, field
+from typing import Any
 
 # ---------------------------------------------------------------- errors
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
 
 
 class APIError(Exception):
     """An error the HTTP layer returns as OpenAI's error JSON with `status`.
 
-    Raised by the ingress (and re-raised by deployments.client for handle callers).
+    Raised by the ingress and by LLMServer (and re-raised by deployments.client for handle
+    callers).
     """
 
     def __init__(
@@ -49,272 +68,116 @@ class APIError(Exception):
         return (APIError, (self.status, self.message, self.type, self.param, self.code))
 
 
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    500: "server_error",
-    503: "service_unavailable_error",
-}
-
-
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
-def validation_error_to_api(err: ValidationError) -> APIError:
-    first = err.errors()[0]
-    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-    msg = first.get("msg", "invalid request")
-    return APIError(400, f"{loc}: {msg}" if loc else msg, param=loc or None)
+# ---------------------------------------------------------------- ingress -> replica
 
 
-# ---------------------------------------------------------------- requests
+@dataclass(slots=True)
+class SamplingSpec:
+    """engine.SamplingParams' fields (see engine/sampling_params.py for their meaning)."""
 
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class _SamplingFields(BaseModel):
-    """Sampling fields shared by /v1/completions and /v1/chat/completions."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str
     n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    max_tokens: int | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
-    # vLLM extensions
-    top_k: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int | None = 16  # None: up to the context limit
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    logprobs: int | None = None  # top logprobs per generated token
+    prompt_logprobs: int | None = None  # top logprobs per prompt token
     skip_special_tokens: bool = True
 
-    def _reject_unsupported(self) -> None:
-        if self.presence_penalty not in (None, 0, 0.0):
-            raise bad_request("presence_penalty is not supported", param="presence_penalty")
-        if self.frequency_penalty not in (None, 0, 0.0):
-            raise bad_request("frequency_penalty is not supported", param="frequency_penalty")
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", param="logit_bias")
+    def engine_kwargs(self) -> dict[str, Any]:
+        """SamplingParams(**engine_kwargs())."""
+        return {
+            "n": self.n,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_tokens": self.max_tokens,
+            "stop": list(self.stop) or None,
+            "stop_token_ids": list(self.stop_token_ids) or None,
+            "ignore_eos": self.ignore_eos,
+            "seed": self.seed,
+            "logprobs": self.logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
 
 
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+@dataclass(slots=True)
+class GenerateRequest:
+    """One generation request to an LLMServer replica. Exactly one of prompt,
+    prompt_token_ids and messages is set."""
+
+    request_id: str
+    sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = None  # chat: [{"role", "content"}]
+    # When sampling.max_tokens is None: at most this many new tokens, and never more than the
+    # context leaves (an explicit max_tokens that does not fit is a 400, as in vLLM). None:
+    # up to the context limit.
+    default_max_tokens: int | None = None
+    # The first output carries the prompt's text (decoded if it came as token ids).
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request (batched prompts are not supported)."""
-        p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise bad_request(
-                    "batched prompts are not supported; send one prompt per request",
-                    param="prompt",
-                )
-            p = p[0]
-        if isinstance(p, str) and not p:
-            raise bad_request("prompt must not be empty", param="prompt")
-        if isinstance(p, list) and not p:
-            raise bad_request("prompt must not be empty", param="prompt")
-        return p
-
-    def sampling_params(self) -> dict[str, Any]:
-        self._reject_unsupported()
-        if self.best_of not in (None, self.n):
-            raise bad_request("best_of != n is not supported", param="best_of")
-        if self.suffix:
-            raise bad_request("suffix is not supported", param="suffix")
-        params = _common_params(self, self.max_tokens if self.max_tokens is not None else 16)
-        if self.logprobs is not None:
-            params["logprobs"] = self.logprobs
-        return params
+    def check(self) -> None:
+        """APIError 400 unless exactly one prompt form is set."""
+        forms = [f for f in ("prompt", "prompt_token_ids", "messages") if getattr(self, f)]
+        if len(forms) != 1:
+            raise bad_request(
+                "a GenerateRequest needs exactly one of prompt, prompt_token_ids and messages"
+                f" (got {forms or 'none'})",
+                param="prompt",
+            )
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise bad_request("request_id must be a non-empty string")
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text":
-                raise bad_request(
-                    f"content part type {part.get('type')!r} is not supported (text only)",
-                    param="messages",
-                )
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
+# ---------------------------------------------------------------- replica -> caller
 
 
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+@dataclass(slots=True)
+class TokenLogprob:
+    """One token's logprob and the top alternatives at its position (token text -> logprob).
+    logprob is None for a prompt's first token, which nothing predicts."""
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        if not self.messages:
-            raise bad_request("messages must not be empty", param="messages")
-        if self.tools:
-            raise bad_request("tools are not supported", param="tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise bad_request("only response_format type 'text' is supported", "response_format")
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
-
-    def sampling_params(self) -> dict[str, Any]:
-        self._reject_unsupported()
-        max_tokens = self.max_completion_tokens or self.max_tokens
-        # vLLM's chat default: up to the context limit; a fixed default keeps CPU replicas sane.
-        params = _common_params(self, max_tokens if max_tokens is not None else 256)
-        if self.logprobs:
-            params["logprobs"] = self.top_logprobs or 0
-        return params
+    token: str
+    logprob: float | None
+    top: dict[str, float] = field(default_factory=dict)
 
 
-def _common_params(req: _SamplingFields, max_tokens: int) -> dict[str, Any]:
-    """SamplingParams kwargs; OpenAI's defaults where the request is silent."""
-    params: dict[str, Any] = {
-        "n": req.n,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
-        "max_tokens": max_tokens,
-        "ignore_eos": req.ignore_eos,
-        "skip_special_tokens": req.skip_special_tokens,
-    }
-    if req.top_k is not None:
-        params["top_k"] = req.top_k
-    if req.stop:
-        params["stop"] = req.stop
-    if req.stop_token_ids:
-        params["stop_token_ids"] = req.stop_token_ids
-    if req.seed is not None:
-        params["seed"] = req.seed
-    return params
+@dataclass(slots=True)
+class CompletionDelta:
+    """What one of the n completions gained: in a stream the new part only, in
+    LLMServer.complete the whole completion."""
 
-
-class LoadLoRAAdapterRequest(BaseModel):
-    lora_name: str = Field(min_length=1)
-    lora_path: str = Field(min_length=1)
-
-
-class UnloadLoRAAdapterRequest(BaseModel):
-    lora_name: str = Field(min_length=1)
-    lora_int_id: int | None = None
-
-
-# ---------------------------------------------------------------- responses
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-
-class CompletionLogProbs(BaseModel):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, if asked
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: new_id("cmpl"))
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
+@dataclass(slots=True)
+class ReplicaOutput:
+    """One step's news for one request. The prompt fields are set on the first output only."""
 
+    request_id: str
+    num_prompt_tokens: int
+    outputs: list[CompletionDelta]
+    finished: bool
+    prompt: str | None = None  # with GenerateRequest.echo
+    # one per prompt token (the first one's logprob is None), with sampling.prompt_logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None
 
-class ChatLogProb(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-    top_logprobs: list[dict[str, Any]] = Field(default_factory=list)
-
-
-class ChatChoiceLogProbs(BaseModel):
-    content: list[ChatLogProb] | None = None
-
-
-class ChatResponseMessage(BaseModel):
-    role: str = "assistant"
-    content: str | None = None
-
-
-class ChatCompletionChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatChoiceLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: new_id("chatcmpl"))
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "raylora"
-    root: str | None = None
-    parent: str | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard] = Field(default_factory=list)
-
-
-def validate_as(model: type[BaseModel], value: Any) -> Any:
-    """`value` as a `model` instance (validated from a dict if need be); APIError 400 if invalid."""
-    if isinstance(value, model):
-        return value
-    try:
-        return model.model_validate(value)
-    except ValidationError as e:
-        raise validation_error_to_api(e) from None
+    @property
+    def num_new_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)

@@ -1,6 +1,7 @@
 """What goes in and out of an LLMServer replica besides the engine itself: catalog entries for
-adapter folders, engine outputs as the replica's output dicts (the format
-deployments/responses.py turns into OpenAI responses), engine errors as APIError.
+adapter folders, engine outputs as ReplicaOutputs (deployments/protocol.py; what
+deployments/responses.py turns into OpenAI responses), engine errors as APIError, and the
+replica-side request metrics.
 
 Engine imports stay inside the functions: the ingress imports this package without torch.
 """
@@ -8,11 +9,13 @@ Engine imports stay inside the functions: the ingress imports this package witho
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from deployments.protocol import APIError
+from deployments import metrics
+from deployments.protocol import APIError, CompletionDelta, ReplicaOutput, TokenLogprob
 
 
 def adapter_entry(name: str, path: str, base_model: str) -> dict[str, Any]:
@@ -49,7 +52,13 @@ def initial_adapters(adapters: dict[str, str] | None, demo_adapters: bool) -> di
 
 def to_api_error(exc: BaseException) -> BaseException:
     """Engine exception -> APIError with its HTTP status; anything else is returned as is."""
-    from engine.errors import InvalidRequestError, PromptTooLongError
+    from engine.errors import (
+        ContextLengthError,
+        EngineDeadError,
+        InvalidRequestError,
+        PromptTooLongError,
+        RequestFailedError,
+    )
     from engine.lora.errors import InvalidLoRAError, LoRAError, LoRANotFoundError
 
     if isinstance(exc, APIError):
@@ -58,54 +67,105 @@ def to_api_error(exc: BaseException) -> BaseException:
         return APIError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, (InvalidLoRAError, LoRAError)):
         return APIError(400, str(exc), param="model", code="invalid_adapter")
+    if isinstance(exc, ContextLengthError):
+        return APIError(400, str(exc), param="max_tokens", code="context_length_exceeded")
     if isinstance(exc, PromptTooLongError):
         return APIError(400, str(exc), param="prompt", code="context_length_exceeded")
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc))
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, f"The engine failed this request: {exc}", code="engine_error")
+    if isinstance(exc, EngineDeadError):  # check_health has told Serve to replace us
+        return APIError(503, f"This replica's engine stopped: {exc}", code="engine_dead")
     if isinstance(exc, (ValueError, TypeError)):
         return APIError(400, str(exc))
     return exc
 
 
-def output_dict(out, completions: list[dict], first: bool) -> dict[str, Any]:
-    """One engine RequestOutput as the replica's output dict (see deployments/responses.py)."""
-    return {
-        "request_id": out.request_id,
-        "prompt": out.prompt if first else None,
-        "num_prompt_tokens": len(out.prompt_token_ids),
-        "outputs": completions,
-        "finished": out.finished,
-    }
+class RequestMetrics:
+    """One request's replica-side metrics: TTFT, time per output token, outcome."""
+
+    def __init__(self, adapter: str) -> None:
+        self.tags = {"adapter": adapter or "<base>"}
+        self.start = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.num_tokens = 0
+
+    def on_output(self, out) -> None:
+        self.num_tokens = sum(len(o.token_ids) for o in out.outputs)
+        if self.first_token_time is None and self.num_tokens:
+            self.first_token_time = time.perf_counter()
+            metrics.TTFT.observe(self.first_token_time - self.start, tags=self.tags)
+
+    def on_finish(self, status: str) -> None:
+        if status == "ok" and self.first_token_time is not None and self.num_tokens > 1:
+            tpot = (time.perf_counter() - self.first_token_time) / (self.num_tokens - 1)
+            metrics.TPOT.observe(tpot, tags=self.tags)
+        metrics.REPLICA_REQUESTS.inc(tags={**self.tags, "status": status})
 
 
-def completion_dict(
+def to_replica_output(
+    out,
+    deltas: list[tuple[Any, int, int, int | None]],
+    first: bool,
+    prompt: str | None,
+    token_text: Callable[[int], str],
+) -> ReplicaOutput:
+    """An engine RequestOutput as a ReplicaOutput. deltas: (CompletionOutput, chars sent,
+    tokens sent, text end or None for all of it) per completion that has news."""
+    prompt_logprobs = None
+    if first and getattr(out, "prompt_logprobs", None) is not None:
+        prompt_logprobs = [
+            prompt_entry(tid, top, token_text)
+            for tid, top in zip(out.prompt_token_ids, out.prompt_logprobs, strict=True)
+        ]
+    return ReplicaOutput(
+        request_id=out.request_id,
+        num_prompt_tokens=len(out.prompt_token_ids),
+        outputs=[completion_delta(o, c, t, end, token_text) for o, c, t, end in deltas],
+        finished=out.finished,
+        prompt=prompt,
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
+def completion_delta(
     o, num_chars: int, num_tokens: int, end: int | None, token_text: Callable[[int], str]
-) -> dict[str, Any]:
+) -> CompletionDelta:
     """One completion from character num_chars (to end) and token num_tokens on: the new part
     of a stream, or all of it from (0, 0)."""
     new_ids = list(o.token_ids[num_tokens:])
     logprobs = None
     if o.logprobs is not None:
         logprobs = [
-            logprob_entry(tid, lp, token_text)
-            for tid, lp in zip(new_ids, o.logprobs[num_tokens:], strict=False)
+            token_entry(tid, top, token_text)
+            for tid, top in zip(new_ids, o.logprobs[num_tokens:], strict=False)
         ]
-    return {
-        "index": o.index,
-        "text": o.text[num_chars:end],
-        "token_ids": new_ids,
-        "logprobs": logprobs,
-        "finish_reason": o.finish_reason,
-        "stop_reason": o.stop_reason,
-    }
+    return CompletionDelta(
+        index=o.index,
+        text=o.text[num_chars:end],
+        token_ids=new_ids,
+        logprobs=logprobs,
+        finish_reason=o.finish_reason,
+        stop_reason=o.stop_reason,
+    )
 
 
-def logprob_entry(
+def token_entry(
     token_id: int, top: dict[int, float], token_text: Callable[[int], str]
-) -> dict[str, Any]:
-    """{"token", "logprob", "top": {token: logprob}} for one generated token."""
-    return {
-        "token": token_text(token_id),
-        "logprob": float(top.get(token_id, float("-inf"))),
-        "top": {token_text(t): float(lp) for t, lp in top.items()},
-    }
+) -> TokenLogprob:
+    """One token's logprob and the top alternatives (which include the token itself)."""
+    return TokenLogprob(
+        token=token_text(token_id),
+        logprob=float(top.get(token_id, float("-inf"))),
+        top={token_text(t): float(lp) for t, lp in top.items()},
+    )
+
+
+def prompt_entry(
+    token_id: int, top: dict[int, float] | None, token_text: Callable[[int], str]
+) -> TokenLogprob:
+    """A prompt token's entry; the first prompt token has none (nothing predicts it)."""
+    if top is None:
+        return TokenLogprob(token=token_text(token_id), logprob=None, top={})
+    return token_entry(token_id, top, token_text)

@@ -1,9 +1,11 @@
-"""LLMServer output dicts -> OpenAI responses and stream chunks.
+"""LLMServer outputs (deployments.protocol.ReplicaOutput) -> OpenAI responses and stream chunks.
 
-An LLMServer output dict is {"request_id", "prompt" (first only), "num_prompt_tokens",
-"outputs": [{"index", "text", "token_ids", "logprobs", "finish_reason", "stop_reason"}],
-"finished"}; in a stream, text/token_ids/logprobs are the new part only. A logprobs entry is
-{"token", "logprob", "top": {token: logprob}}.
+A request with several prompts (a batched /v1/completions) has one ReplicaOutput stream per
+prompt; its choices are numbered prompt_index * n + completion index, as vLLM numbers them.
+With `echo`, each choice's text starts with its prompt, and with `logprobs` too, its logprobs
+start with one entry per prompt token (the first one's is null, as in vLLM and OpenAI's
+legacy API). `echo` with max_tokens=0 returns the prompt alone (the one token the engine
+generated is dropped): that is how lm-eval scores a prompt.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from deployments.protocol import (
+from deployments.openai_protocol import (
     ChatChoiceLogProbs,
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -23,8 +25,8 @@ from deployments.protocol import (
     CompletionRequest,
     CompletionResponse,
     UsageInfo,
-    new_id,
 )
+from deployments.protocol import CompletionDelta, ReplicaOutput, TokenLogprob
 
 
 def _usage(num_prompt: int, num_completion: int) -> UsageInfo:
@@ -35,88 +37,121 @@ def _usage(num_prompt: int, num_completion: int) -> UsageInfo:
     )
 
 
-def completion_logprobs(entries: list[dict] | None, offset: int = 0) -> CompletionLogProbs | None:
+def completion_logprobs(
+    entries: list[TokenLogprob] | None, offset: int = 0
+) -> CompletionLogProbs | None:
     """The legacy completions logprobs object; text_offset starts at `offset`."""
     if entries is None:
         return None
     lp = CompletionLogProbs()
     for e in entries:
-        lp.tokens.append(e["token"])
-        lp.token_logprobs.append(e["logprob"])
-        lp.top_logprobs.append(e["top"])
+        lp.tokens.append(e.token)
+        lp.token_logprobs.append(e.logprob)
+        lp.top_logprobs.append(None if e.logprob is None else e.top)
         lp.text_offset.append(offset)
-        offset += len(e["token"])
+        offset += len(e.token)
     return lp
 
 
-def chat_logprobs(entries: list[dict] | None) -> ChatChoiceLogProbs | None:
+def chat_logprobs(entries: list[TokenLogprob] | None) -> ChatChoiceLogProbs | None:
     if entries is None:
         return None
     content = []
     for e in entries:
         top = [
             {"token": t, "logprob": p, "bytes": list(t.encode())}
-            for t, p in sorted(e["top"].items(), key=lambda kv: -kv[1])
+            for t, p in sorted(e.top.items(), key=lambda kv: -kv[1])
         ]
         content.append(
             ChatLogProb(
-                token=e["token"],
-                logprob=e["logprob"],
-                bytes=list(e["token"].encode()),
+                token=e.token,
+                logprob=e.logprob if e.logprob is not None else float("-inf"),
+                bytes=list(e.token.encode()),
                 top_logprobs=top,
             )
         )
     return ChatChoiceLogProbs(content=content)
 
 
-def build_completion_response(req: CompletionRequest, out: dict[str, Any]) -> CompletionResponse:
-    echo = (out.get("prompt") or "") if req.echo else ""
-    choices = [
-        CompletionChoice(
-            index=o["index"],
-            text=echo + o["text"],
-            logprobs=completion_logprobs(o["logprobs"], len(echo)),
-            finish_reason=o["finish_reason"],
-            stop_reason=o["stop_reason"],
-        )
-        for o in sorted(out["outputs"], key=lambda o: o["index"])
-    ]
-    num_completion = sum(len(o["token_ids"]) for o in out["outputs"])
+class _Echo:
+    """What a completion choice shows of its prompt (nothing without `echo`)."""
+
+    def __init__(self, req: CompletionRequest, out: ReplicaOutput) -> None:
+        self.on = req.echo
+        self.only = req.echo_only
+        self.text = (out.prompt or "") if req.echo else ""
+        self.logprobs = out.prompt_logprobs if req.echo and req.logprobs is not None else None
+
+    def apply(self, o: CompletionDelta) -> tuple[str, list[TokenLogprob] | None, str | None]:
+        """(text, logprobs, finish_reason) of a choice's first part, with the prompt echoed."""
+        if self.only:  # the prompt alone: drop the token the engine had to generate
+            return self.text, self.logprobs, "length" if o.finish_reason else None
+        logprobs = o.logprobs
+        if self.logprobs is not None:
+            logprobs = self.logprobs + list(o.logprobs or [])
+        return self.text + o.text, logprobs, o.finish_reason
+
+
+def build_completion_response(
+    req: CompletionRequest, outs: list[ReplicaOutput], response_id: str
+) -> CompletionResponse:
+    choices = []
+    num_prompt = num_completion = 0
+    for i, out in enumerate(outs):
+        echo = _Echo(req, out)
+        num_prompt += out.num_prompt_tokens
+        for o in sorted(out.outputs, key=lambda o: o.index):
+            text, logprobs, finish = echo.apply(o)
+            num_completion += 0 if echo.only else len(o.token_ids)
+            choices.append(
+                CompletionChoice(
+                    index=i * req.n + o.index,
+                    text=text,
+                    logprobs=completion_logprobs(logprobs),
+                    finish_reason=finish,
+                    stop_reason=None if echo.only else o.stop_reason,
+                )
+            )
     return CompletionResponse(
-        model=req.model, choices=choices, usage=_usage(out["num_prompt_tokens"], num_completion)
+        id=response_id, model=req.model, choices=choices, usage=_usage(num_prompt, num_completion)
     )
 
 
-def build_chat_response(req: ChatCompletionRequest, out: dict[str, Any]) -> ChatCompletionResponse:
+def build_chat_response(
+    req: ChatCompletionRequest, out: ReplicaOutput, response_id: str
+) -> ChatCompletionResponse:
     choices = [
         ChatCompletionChoice(
-            index=o["index"],
-            message=ChatResponseMessage(content=o["text"]),
-            logprobs=chat_logprobs(o["logprobs"]),
-            finish_reason=o["finish_reason"],
-            stop_reason=o["stop_reason"],
+            index=o.index,
+            message=ChatResponseMessage(content=o.text),
+            logprobs=chat_logprobs(o.logprobs),
+            finish_reason=o.finish_reason,
+            stop_reason=o.stop_reason,
         )
-        for o in sorted(out["outputs"], key=lambda o: o["index"])
+        for o in sorted(out.outputs, key=lambda o: o.index)
     ]
-    num_completion = sum(len(o["token_ids"]) for o in out["outputs"])
+    num_completion = sum(len(o.token_ids) for o in out.outputs)
     return ChatCompletionResponse(
-        model=req.model, choices=choices, usage=_usage(out["num_prompt_tokens"], num_completion)
+        id=response_id,
+        model=req.model,
+        choices=choices,
+        usage=_usage(out.num_prompt_tokens, num_completion),
     )
 
 
 class ChunkBuilder:
-    """Turns a stream of LLMServer output deltas into OpenAI chunk dicts for one request."""
+    """Turns the ReplicaOutput deltas of one request's prompts into OpenAI chunk dicts."""
 
-    def __init__(self, req: CompletionRequest | ChatCompletionRequest) -> None:
+    def __init__(self, req: CompletionRequest | ChatCompletionRequest, response_id: str) -> None:
         self.req = req
         self.chat = isinstance(req, ChatCompletionRequest)
-        self.id = new_id("chatcmpl" if self.chat else "cmpl")
+        self.id = response_id
         self.created = int(time.time())
-        self.num_prompt_tokens = 0
+        self._num_prompt_tokens: dict[int, int] = {}  # prompt index -> its tokens
         self.num_completion_tokens = 0
-        self._started: set[int] = set()  # indices that got their first chunk
-        self._offsets: dict[int, int] = {}  # index -> text offset (completions logprobs)
-        self._echo = ""
+        self._echo: dict[int, _Echo] = {}  # prompt index -> its echo (completions)
+        self._started: set[int] = set()  # choice indices that got their first chunk
+        self._offsets: dict[int, int] = {}  # choice index -> text offset (completions logprobs)
 
     def _chunk(self, choices: list[dict]) -> dict[str, Any]:
         return {
@@ -127,53 +162,75 @@ class ChunkBuilder:
             "choices": choices,
         }
 
-    def chunks(self, item: dict[str, Any]) -> list[dict[str, Any]]:
-        self.num_prompt_tokens = item["num_prompt_tokens"]
-        if item.get("prompt") and not self.chat and self.req.echo:
-            self._echo = item["prompt"]
+    def chunks(self, item: ReplicaOutput, prompt_index: int = 0) -> list[dict[str, Any]]:
+        self._num_prompt_tokens[prompt_index] = item.num_prompt_tokens
+        if not self.chat and prompt_index not in self._echo:
+            self._echo[prompt_index] = _Echo(self.req, item)
         out = []
-        for o in item["outputs"]:
-            self.num_completion_tokens += len(o["token_ids"])
-            i = o["index"]
+        for o in item.outputs:
+            i = prompt_index * self.req.n + o.index
             first = i not in self._started
             self._started.add(i)
             if self.chat:
-                if first:  # OpenAI's first chunk of a choice carries only the role
-                    delta = {"role": "assistant", "content": ""}
-                    out.append(
-                        self._chunk(
-                            [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]
-                        )
-                    )
-                delta = {"content": o["text"]} if o["text"] else {}
-                choice = {
-                    "index": i,
-                    "delta": delta,
-                    "logprobs": _dump(chat_logprobs(o["logprobs"])),
-                }
+                self.num_completion_tokens += len(o.token_ids)
+                out.extend(self._chat_chunks(o, i, first))
             else:
-                prefix = self._echo if first else ""
-                offset = self._offsets.get(i, 0)
-                text = prefix + o["text"]
-                choice = {
-                    "index": i,
-                    "text": text,
-                    "logprobs": _dump(completion_logprobs(o["logprobs"], offset + len(prefix))),
-                }
-                self._offsets[i] = offset + len(text)
-            if not o["text"] and o["finish_reason"] is None and not (first and self._echo):
-                continue
-            choice["finish_reason"] = o["finish_reason"]
-            choice["stop_reason"] = o["stop_reason"]
-            out.append(self._chunk([choice]))
+                out.extend(self._completion_chunks(o, i, first, self._echo[prompt_index]))
         return out
+
+    def _chat_chunks(self, o: CompletionDelta, i: int, first: bool) -> list[dict[str, Any]]:
+        out = []
+        if first:  # OpenAI's first chunk of a choice carries only the role
+            delta = {"role": "assistant", "content": ""}
+            out.append(
+                self._chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
+            )
+        if not o.text and o.finish_reason is None:
+            return out
+        choice = {
+            "index": i,
+            "delta": {"content": o.text} if o.text else {},
+            "logprobs": _dump(chat_logprobs(o.logprobs)),
+            "finish_reason": o.finish_reason,
+            "stop_reason": o.stop_reason,
+        }
+        return [*out, self._chunk([choice])]
+
+    def _completion_chunks(
+        self, o: CompletionDelta, i: int, first: bool, echo: _Echo
+    ) -> list[dict[str, Any]]:
+        if echo.only:
+            text, logprobs, finish = echo.apply(o) if first else ("", None, None)
+            if not first and o.finish_reason is not None:
+                finish = "length"
+            stop_reason = None
+        elif first and echo.on:
+            text, logprobs, finish = echo.apply(o)
+            stop_reason = o.stop_reason
+        else:
+            text, logprobs, finish, stop_reason = o.text, o.logprobs, o.finish_reason, o.stop_reason
+        if not echo.only:
+            self.num_completion_tokens += len(o.token_ids)
+        if not text and finish is None and not (first and echo.on):
+            return []
+        offset = self._offsets.get(i, 0)
+        self._offsets[i] = offset + len(text)
+        choice = {
+            "index": i,
+            "text": text,
+            "logprobs": _dump(completion_logprobs(logprobs, offset)),
+            "finish_reason": finish,
+            "stop_reason": stop_reason,
+        }
+        return [self._chunk([choice])]
 
     def usage_chunk(self) -> dict[str, Any] | None:
         opts = self.req.stream_options
         if opts is None or not opts.include_usage:
             return None
         chunk = self._chunk([])
-        chunk["usage"] = _usage(self.num_prompt_tokens, self.num_completion_tokens).model_dump()
+        num_prompt = sum(self._num_prompt_tokens.values())
+        chunk["usage"] = _usage(num_prompt, self.num_completion_tokens).model_dump()
         return chunk
 
 

@@ -179,6 +179,10 @@ class AdapterAffinityRouter(RequestRouter):
             # Back off between full passes over the tiers (Ray loops without sleeping
             # while should_backoff is False).
             pending_request.routing_context.should_backoff = True
+        # A replica whose engine loop died answers 503 until Serve replaces it (after its
+        # next failed health check): route around it while any other replica is left.
+        live = [r for r in candidate_replicas if not (r.routing_stats or {}).get("engine_dead")]
+        candidate_replicas = live or candidate_replicas
         residency = self._snapshot_residency()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         views = [self._view(r, residency) for r in candidate_replicas]

@@ -126,3 +126,21 @@ def listening() -> set[tuple[str, int]]:
 
 def is_loopback(addr: str) -> bool:
     return addr.startswith("127.") or addr == "::1" or addr.startswith("::ffff:127.")
+
+
+def serve_tiny_app(model_dir: str, app: str, **args) -> str:
+    """Start a local cluster on loopback and run serve_app.build_app over the tiny model
+    (`args` are build_app arguments) as `app` at route "/"; -> its base URL. Stop it with
+    stop_ray()."""
+    from ray import serve
+
+    import serve_app
+
+    port = free_port()
+    start_ray(port)
+    try:
+        serve.run(serve_app.build_app({"model": model_dir, **args}), name=app, route_prefix="/")
+    except BaseException:
+        stop_ray()
+        raise
+    return f"http://127.0.0.1:{port}"

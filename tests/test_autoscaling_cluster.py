@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from deployments.protocol import GenerateRequest, SamplingSpec
 from tests.serve_fixtures import make_tiny_adapters, start_ray, stop_ray
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -93,14 +94,15 @@ def stream_until(llm, stop: threading.Event, worker: int, done: list, errors: li
     while not stop.is_set():
         adapter = ADAPTERS[i % len(ADAPTERS)]
         i += 1
-        request = {
-            "prompt": f"request {i} for {adapter}",
-            "sampling_params": {"max_tokens": 24, "ignore_eos": True, "temperature": 0},
-        }
+        request = GenerateRequest(
+            f"w{worker}-{i}",
+            SamplingSpec(max_tokens=24, ignore_eos=True, temperature=0),
+            prompt=f"request {i} for {adapter}",
+        )
         try:
             gen = llm.options(stream=True, multiplexed_model_id=adapter).generate.remote(request)
             items = list(gen)
-            assert items and items[-1]["finished"]
+            assert items and items[-1].finished
             done.append(adapter)
         except Exception as e:  # reported by the test, not swallowed
             errors.append(repr(e))
@@ -139,7 +141,6 @@ def test_scales_up_under_adapter_load_and_back_down(llm):
     down_s = wait_for(lambda: num_running_replicas() == 1, 60, "back to one replica")
     print(f"\nscale-up after {up_s:.1f}s of load; down {down_s:.1f}s after; {len(done)} streams")
     # still serving after the downscale
-    out = llm.options(multiplexed_model_id="s1").complete.remote(
-        {"prompt": "after", "sampling_params": {"max_tokens": 4, "temperature": 0}}
-    )
-    assert out.result()["finished"]
+    after = GenerateRequest("after", SamplingSpec(max_tokens=4, temperature=0), prompt="after")
+    out = llm.options(multiplexed_model_id="s1").complete.remote(after)
+    assert out.result().finished

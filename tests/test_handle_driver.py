@@ -32,11 +32,13 @@ DRIVER = textwrap.dedent(
         client.complete("x", adapter="missing")
     except APIError as e:
         out["missing_status"] = e.status
+    from deployments.protocol import GenerateRequest, SamplingSpec
+
     llm = serve.get_deployment_handle("LLMServer", app_name="raylora")
-    raw = llm.options(multiplexed_model_id="ad").complete.remote(
-        {"prompt": "Hello there", "sampling_params": {"max_tokens": 6, "temperature": 0}}
-    ).result()
-    out["raw"] = raw["outputs"][0]["text"]
+    request = GenerateRequest("raw-1", SamplingSpec(max_tokens=6, temperature=0),
+                              prompt="Hello there")
+    raw = llm.options(multiplexed_model_id="ad").complete.remote(request).result()
+    out["raw"] = raw.outputs[0].text
     print("RESULT " + json.dumps(out))
     """
 )

@@ -5,7 +5,6 @@ generates is tested through the real app in tests/test_serve_app.py.
 """
 
 import asyncio
-import json
 import os
 
 import pytest
@@ -13,102 +12,10 @@ from fastapi.testclient import TestClient
 
 from deployments.openai_app import build_openai_app
 from deployments.openai_serving import OpenAIServing
-from deployments.protocol import APIError
+from deployments.protocol import APIError, SamplingSpec
+from tests.ingress_fakes import BASE, WORDS, FakeLLM, FakeRegistry, assert_error, sse_events
 
 pytestmark = pytest.mark.timeout(60)
-
-BASE = "tiny-base"
-WORDS = ["Hello", " there", ",", " friend", "."]
-
-
-class FakeLLM:
-    """Streams WORDS (one token each) as LLMServer output deltas; records what it got."""
-
-    def __init__(self) -> None:
-        self.requests: list[tuple[dict, str]] = []
-        self.raise_on_call: BaseException | None = None
-        self.closed_early = False
-        self.loaded: list[tuple[str, str]] = []
-
-    def _outputs(self, request: dict) -> list[dict]:
-        n = request["sampling_params"]["n"]
-        max_tokens = request["sampling_params"]["max_tokens"]
-        words = WORDS[:max_tokens]
-        items = []
-        for k, w in enumerate(words):
-            last = k == len(words) - 1
-            reason = ("stop" if len(words) == len(WORDS) else "length") if last else None
-            outs = [
-                {
-                    "index": i,
-                    "text": w,
-                    "token_ids": [10 + k],
-                    "logprobs": None,
-                    "finish_reason": reason,
-                    "stop_reason": None,
-                }
-                for i in range(n)
-            ]
-            items.append(
-                {
-                    "request_id": request["request_id"],
-                    "prompt": request.get("prompt") if k == 0 else None,
-                    "num_prompt_tokens": 3,
-                    "outputs": outs,
-                    "finished": last,
-                }
-            )
-        return items
-
-    async def stream(self, request: dict, adapter: str):
-        self.requests.append((request, adapter))
-        if self.raise_on_call is not None:
-            raise self.raise_on_call
-        done = False
-        try:
-            for item in self._outputs(request):
-                await asyncio.sleep(0)
-                yield item
-            done = True
-        finally:
-            self.closed_early = not done
-
-    async def complete(self, request: dict, adapter: str) -> dict:
-        self.requests.append((request, adapter))
-        if self.raise_on_call is not None:
-            raise self.raise_on_call
-        items = self._outputs(request)
-        final = dict(items[-1], prompt=items[0]["prompt"])
-        final["outputs"] = [
-            dict(o, text="".join(WORDS[: len(items)]), token_ids=list(range(len(items))))
-            for o in items[-1]["outputs"]
-        ]
-        return final
-
-    async def load_adapter(self, name: str, path: str) -> dict:
-        if "missing" in path:
-            raise APIError(404, f"folder {path} does not exist", code="model_not_found")
-        if "broken" in path:
-            raise APIError(400, "adapter_config.json is not JSON")
-        self.loaded.append((name, path))
-        return {"source": path, "rank": 4, "target_modules": ["q_proj"], "base_model": BASE}
-
-    async def model_info(self) -> dict:
-        return {"model_name": BASE}
-
-
-class FakeRegistry:
-    def __init__(self, adapters: dict[str, dict]) -> None:
-        self.adapters = dict(adapters)
-
-    async def list_adapters(self) -> dict[str, dict]:
-        return dict(self.adapters)
-
-    async def register_adapter(self, name: str, spec: dict) -> None:
-        self.adapters[name] = spec
-
-    async def unregister_adapter(self, name: str) -> bool:
-        return self.adapters.pop(name, None) is not None
 
 
 @pytest.fixture
@@ -122,15 +29,6 @@ def env(tmp_path):
     return client, llm, registry, serving, root
 
 
-def assert_error(resp, status: int) -> dict:
-    assert resp.status_code == status, resp.text
-    body = resp.json()
-    assert set(body) == {"error"}
-    assert set(body["error"]) == {"message", "type", "param", "code"}
-    assert body["error"]["message"]
-    return body["error"]
-
-
 def test_model_names_resolve_to_base_or_adapter(env):
     client, llm, *_ = env
     for model, adapter in [(BASE, ""), ("sql", "sql"), (f"{BASE}:sql", "sql")]:
@@ -138,7 +36,7 @@ def test_model_names_resolve_to_base_or_adapter(env):
         assert r.status_code == 200, r.text
         assert llm.requests[-1][1] == adapter
         assert r.json()["model"] == model
-    for model in ["nope", f"{BASE}:nope", "other:sql", ""]:
+    for model in ["nope", f"{BASE}:nope", "other:sql"]:
         err = assert_error(
             client.post("/v1/completions", json={"model": model, "prompt": "x"}), 404
         )
@@ -215,33 +113,28 @@ def test_completion_response_shape_and_request(env):
     assert [c["index"] for c in body["choices"]] == [0, 1]
     assert body["choices"][0]["text"] == "Say hi" + "".join(WORDS)
     assert body["choices"][0]["finish_reason"] == "stop"
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 10, "total_tokens": 13}
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 10, "total_tokens": 12}
     request, _ = llm.requests[-1]
-    assert request["prompt"] == "Say hi"
-    assert request["sampling_params"] == {
-        "n": 2,
-        "temperature": 0.0,
-        "top_p": 1.0,
-        "max_tokens": 5,
-        "ignore_eos": False,
-        "skip_special_tokens": True,
-        "stop": ["\n"],
-        "seed": 3,
-    }
+    assert request.prompt == "Say hi" and request.echo
+    assert body["id"] == f"cmpl-{request.request_id}"  # the request id is minted once
+    assert request.default_max_tokens == 16
+    assert request.sampling == SamplingSpec(
+        n=2, temperature=0.0, top_p=1.0, max_tokens=5, stop=["\n"], seed=3
+    )
 
 
 def test_token_id_prompt_and_single_item_batch(env):
     client, llm, *_ = env
     client.post("/v1/completions", json={"model": BASE, "prompt": [5, 6, 7]})
-    assert llm.requests[-1][0]["prompt_token_ids"] == [5, 6, 7]
+    assert llm.requests[-1][0].prompt_token_ids == [5, 6, 7]
+    assert llm.requests[-1][0].prompt is None
     client.post("/v1/completions", json={"model": BASE, "prompt": ["only one"]})
-    assert llm.requests[-1][0]["prompt"] == "only one"
+    assert llm.requests[-1][0].prompt == "only one"
 
 
 @pytest.mark.parametrize(
     "body",
     [
-        {"model": BASE, "prompt": ["a", "b"]},
         {"model": BASE, "prompt": ""},
         {"model": BASE, "prompt": "x", "presence_penalty": 0.5},
         {"model": BASE, "prompt": "x", "logit_bias": {"1": 2}},
@@ -298,14 +191,6 @@ def test_wrapped_ray_task_error_is_unwrapped(env):
     assert err["code"] == "model_not_found"
 
 
-def _sse_events(resp) -> list:
-    assert resp.headers["content-type"].startswith("text/event-stream")
-    events = [e for e in resp.text.split("\n\n") if e]
-    assert all(e.startswith("data: ") for e in events)
-    assert events[-1] == "data: [DONE]"
-    return [json.loads(e[len("data: ") :]) for e in events[:-1]]
-
-
 def test_streamed_completion(env):
     client, *_ = env
     r = client.post(
@@ -317,7 +202,7 @@ def test_streamed_completion(env):
             "stream_options": {"include_usage": True},
         },
     )
-    chunks = _sse_events(r)
+    chunks = sse_events(r)
     assert all(c["object"] == "text_completion" for c in chunks)
     assert len({c["id"] for c in chunks}) == 1
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
@@ -340,7 +225,7 @@ def test_streamed_chat(env):
             ],
         },
     )
-    chunks = _sse_events(r)
+    chunks = sse_events(r)
     assert chunks[0]["object"] == "chat.completion.chunk"
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
@@ -348,7 +233,7 @@ def test_streamed_chat(env):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     request, adapter = llm.requests[-1]
     assert adapter == "sql"
-    assert request["messages"] == [
+    assert request.messages == [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "hi"},
     ]
@@ -372,7 +257,7 @@ def test_chat_non_streamed(env):
 
 def test_consumer_that_stops_closes_the_replica_stream(env):
     _, llm, _, serving, _ = env
-    from deployments.protocol import CompletionRequest
+    from deployments.openai_protocol import CompletionRequest
 
     async def run():
         chunks = await serving.stream(CompletionRequest(model=BASE, prompt="x", stream=True))

@@ -6,6 +6,7 @@ the engine's offline `LLM.generate` (the same engine code, no Ray, no HTTP).
 
 import json
 import time
+import uuid
 
 import httpx
 import pytest
@@ -225,3 +226,90 @@ def test_residency_reaches_registry_and_router_stats(served):
     assert {"a1", "a2"} <= set(snap["adapters"])
     holders = {r for r, e in snap["residency"].items() if "a1" in e["cpu"] or "a1" in e["slots"]}
     assert holders, snap
+
+
+def test_malformed_requests_leave_the_app_serving(served, client, offline):
+    """Every malformed request of tests/malformed_requests.py gets its 4xx with OpenAI's
+    error JSON from the running app (the engine's own checks included), and afterwards both
+    replicas still answer exactly as the offline engine does."""
+    from pathlib import Path
+
+    from deployments.openai_app import MAX_BODY_BYTES
+    from tests.malformed_requests import cases
+
+    base = client.models.list().data[0].id
+    all_cases = cases(base, "a1", str(served["root"]), MAX_BODY_BYTES)
+    assert len(all_cases) >= 40
+    with httpx.Client(base_url=served["url"], timeout=120) as http:
+        for case in all_cases:
+            headers = {"content-type": "application/json"}
+            r = http.request(case.method, case.path, content=case.content(), headers=headers)
+            try:
+                _error(r, case.status)
+            except AssertionError as e:
+                raise AssertionError(f"{case.name}: {e}") from None
+        err = _error(
+            http.post("/v1/completions", json={"model": "a1", "prompt": "x", "max_tokens": 8192}),
+            400,
+        )
+        assert "8192" in err["message"] and err["code"] == "context_length_exceeded"
+        assert http.get("/health").status_code == 200
+    assert Path(base)  # the base model's name is a folder name here
+    for _ in range(4):  # base requests land on both replicas
+        test_completions_match_offline_engine(client, offline)
+    assert len(replica_stats(APP, want=2)) == 2
+
+
+def test_nan_sampling_values_through_a_handle_are_refused(served, client, offline):
+    """A handle caller skips the ingress's validation: the engine itself refuses non-finite
+    values (a 400), so NaN cannot kill a replica's engine loop as it once did."""
+    from ray import serve
+
+    from deployments.protocol import APIError, GenerateRequest, SamplingSpec
+
+    handle = serve.get_deployment_handle("LLMServer", app_name=APP)
+    for bad in [
+        SamplingSpec(temperature=float("nan")),
+        SamplingSpec(temperature=float("inf")),
+        SamplingSpec(top_p=float("nan")),
+        SamplingSpec(seed=2**70),
+        SamplingSpec(max_tokens=10**9),
+    ]:
+        for _ in range(2):  # both replicas
+            request = GenerateRequest(uuid.uuid4().hex, bad, prompt=PROMPT)
+            with pytest.raises(APIError) as e:
+                handle.options(multiplexed_model_id="a1").complete.remote(request).result()
+            assert e.value.status == 400, e.value.message
+    for _ in range(4):
+        test_completions_match_offline_engine(client, offline)
+
+
+def test_unload_is_not_undone_by_a_registry_restart(served, client):
+    """Unload an adapter and kill the registry before the replicas' next catalog sync: the
+    restarted registry must not take the unloaded adapter back from a replica's stale
+    report, and a runtime-loaded adapter must be listed and served throughout."""
+    import ray
+
+    from deployments.registry import get_registry
+
+    with httpx.Client(base_url=served["url"], timeout=120) as http:
+        load = "/v1/load_lora_adapter"
+        for name in ("keep", "drop"):
+            r = http.post(load, json={"lora_name": name, "lora_path": served["extra"]})
+            assert r.status_code == 200, r.text
+            # served once, so every replica that ran it knows it in its catalog
+            out = client.completions.create(model=name, prompt=PROMPT, max_tokens=2)
+            assert out.choices[0].text is not None
+        r = http.post("/v1/unload_lora_adapter", json={"lora_name": "drop"})
+        assert r.status_code == 200, r.text
+        ray.kill(get_registry(), no_restart=False)
+        deadline = time.monotonic() + 6.0  # > report_interval_s: the stale reports arrive
+        while time.monotonic() < deadline:
+            ids = {m.id for m in client.models.list().data}
+            assert "keep" in ids and "a1" in ids, ids
+            assert "drop" not in ids, ids
+            time.sleep(0.2)
+        out = client.completions.create(model="keep", prompt=PROMPT, max_tokens=2)
+        assert out.choices[0].text is not None
+        _error(http.post("/v1/completions", json={"model": "drop", "prompt": "x"}), 404)
+        http.post("/v1/unload_lora_adapter", json={"lora_name": "keep"})

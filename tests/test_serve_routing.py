@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
+from deployments.protocol import GenerateRequest, ReplicaOutput, SamplingSpec
 from tests.serve_fixtures import make_tiny_adapters, replica_stats, start_ray, stop_ray
 
 pytestmark = [pytest.mark.slow]
@@ -47,16 +49,14 @@ def poll(check: Callable[[], Any], timeout_s: float = WAIT_S, period_s: float = 
         time.sleep(period_s)
 
 
-def request(max_tokens: int = 8, ignore_eos: bool = False) -> dict:
-    return {
-        "prompt": "The quick brown fox",
-        "sampling_params": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": ignore_eos},
-    }
+def request(max_tokens: int = 8, ignore_eos: bool = False) -> GenerateRequest:
+    spec = SamplingSpec(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos)
+    return GenerateRequest(uuid.uuid4().hex, spec, prompt="The quick brown fox")
 
 
-def check_output(out: dict) -> dict:
-    assert out["finished"], out
-    assert out["outputs"][0]["finish_reason"] in ("stop", "length"), out
+def check_output(out: ReplicaOutput) -> ReplicaOutput:
+    assert out.finished, out
+    assert out.outputs[0].finish_reason in ("stop", "length"), out
     return out
 
 
