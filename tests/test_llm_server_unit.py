@@ -1,0 +1,125 @@
+"""LLMServer in this process, outside Serve (no Ray: the registry is simply absent), on the
+tiny model: adapter reads do not block the replica's event loop, and the typed boundary
+carries what the engine produced."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from deployments.protocol import APIError, GenerateRequest, SamplingSpec
+from tests.serve_fixtures import make_tiny_adapter
+
+pytestmark = pytest.mark.timeout(300)
+
+ENGINE = {"max_loras": 1, "max_cpu_loras": 2, "max_num_seqs": 4, "num_kv_blocks": 64}
+
+
+async def _server(model_dir: str, adapters: dict[str, str]):
+    from deployments.llm_server import LLMServer
+
+    server = object.__new__(LLMServer)
+    await LLMServer.__init__(server, {"model": model_dir, **ENGINE}, adapters=adapters)
+    return server
+
+
+def _as_adapter(name: str) -> None:
+    """What Serve does for a call made with multiplexed_model_id=name (in this task only)."""
+    from ray.serve.context import _RequestContext, _serve_request_context
+
+    _serve_request_context.set(_RequestContext(multiplexed_model_id=name))
+
+
+def test_adapter_read_does_not_block_the_event_loop(tiny_model_dir, tmp_path, monkeypatch):
+    """Once, LLMServer read an adapter from disk on its event loop: every stream of the
+    replica stalled for the length of the read. Here the read takes 1.5 s (a slow disk or
+    the Hub); the loop must keep ticking and a base stream must keep getting tokens."""
+    import engine.lora.manager as manager
+
+    path = make_tiny_adapter(tiny_model_dir, tmp_path / "slow", 4, ["q_proj", "v_proj"], 3)
+    real_load = manager.load_adapter
+
+    def slow_load(*args, **kwargs):
+        time.sleep(1.5)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(manager, "load_adapter", slow_load)
+
+    async def run():
+        server = await _server(tiny_model_dir, {"slow": str(path)})
+        gaps, token_times = [], []
+        loading = asyncio.Event()
+
+        async def heartbeat():
+            last = time.monotonic()
+            while True:
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append((last, now - last))
+                last = now
+
+        async def base_stream():
+            spec = SamplingSpec(max_tokens=400, temperature=0, ignore_eos=True)
+            request = GenerateRequest("base", spec, prompt="Hello there")
+            async for out in server.generate(request):
+                token_times.append(time.monotonic())
+                if not loading.is_set() and len(token_times) > 3:
+                    loading.set()
+
+        async def adapter_request():
+            await loading.wait()
+            _as_adapter("slow")
+            start = time.monotonic()
+            spec = SamplingSpec(max_tokens=4, temperature=0)
+            out = await server.complete(GenerateRequest("ad", spec, prompt="Hi"))
+            return start, time.monotonic(), out
+
+        beat = asyncio.create_task(heartbeat())
+        stream = asyncio.create_task(base_stream())
+        start, end, out = await adapter_request()
+        beat.cancel()
+        stream.cancel()
+        await asyncio.gather(beat, stream, return_exceptions=True)
+        await server.engine.shutdown(1.0)
+        return start, end, out, gaps, token_times
+
+    start, end, out, gaps, token_times = asyncio.run(run())
+    assert end - start >= 1.5  # the read really was slow
+    assert out.finished and out.outputs[0].token_ids
+    during = [g for t, g in gaps if t + g >= start and t <= end]  # gaps overlapping the read
+    assert during and max(during) < 0.5, max(during)  # the loop never stalled on the read
+    assert sum(start < t < end for t in token_times) >= 5  # the stream went on meanwhile
+
+
+def test_unknown_adapter_and_bad_values_are_api_errors(tiny_model_dir):
+    async def run():
+        server = await _server(tiny_model_dir, {})
+        errors = []
+        for adapter, spec in [
+            ("nope", SamplingSpec()),
+            ("", SamplingSpec(temperature=float("nan"))),
+            ("", SamplingSpec(max_tokens=10**6)),
+            ("", SamplingSpec(seed=2**64)),
+        ]:
+            _as_adapter(adapter)
+            try:
+                await server.complete(GenerateRequest("r", spec, prompt="Hi"))
+            except APIError as e:
+                errors.append((e.status, e.code))
+        _as_adapter("")
+        ok = await server.complete(GenerateRequest("ok", SamplingSpec(max_tokens=3), prompt="Hi"))
+        with pytest.raises(APIError):  # no prompt at all
+            await server.complete(GenerateRequest("none"))
+        await server.engine.shutdown(1.0)
+        return errors, ok
+
+    errors, ok = asyncio.run(run())
+    assert errors == [
+        (404, "model_not_found"),
+        (400, None),
+        (400, "context_length_exceeded"),
+        (400, None),
+    ]
+    assert ok.finished and len(ok.outputs[0].token_ids) == 3
