@@ -104,6 +104,12 @@ APP_ARGS: dict[str, tuple[Any, Any, str]] = {
     "routing_stats_period_s": (float, 2.0, "how often routers read replica residency"),
     "report_interval_s": (float, 5.0, "how often replicas re-report to the registry"),
     "shutdown_timeout_s": (float, 30.0, "graceful shutdown: wait for in-flight requests"),
+    "health_check_period_s": (
+        float,
+        3.0,
+        "how often Serve checks each LLMServer replica (a dead engine or actor is replaced "
+        "after the next check)",
+    ),
     "registry_state_file": (
         str,
         None,
@@ -165,7 +171,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         "max_ongoing_requests": opts["max_ongoing_requests"] or 2 * max_num_seqs,
         "max_queued_requests": opts["max_queued_requests"],
         "graceful_shutdown_timeout_s": opts["shutdown_timeout_s"] + 5,
-        "health_check_period_s": 10.0,
+        "health_check_period_s": opts["health_check_period_s"],
         "health_check_timeout_s": 60.0,
     }
     if router_config is not None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -228,6 +229,11 @@ class AdapterRegistry:
         self, stale_after_s: float = DEFAULT_STALE_AFTER_S, state_file: str | None = None
     ) -> None:
         self._state = RegistryState(stale_after_s=stale_after_s, store=make_store(state_file))
+        self._incarnation = uuid.uuid4().hex  # new at every (re)start
+
+    def incarnation(self) -> str:
+        """An id of this process of the actor: it changes when Ray restarts it."""
+        return self._incarnation
 
     def register_adapter(
         self, name: str, source: str, rank: int, target_modules: list[str], base_model: str

@@ -26,3 +26,13 @@ def default_model_dir() -> str:
     from engine.models.loader import resolve_model
 
     return str(resolve_model("default"))
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """A test that sets torch's thread count (the benchmark smoke tests run with --threads 1)
+    must not leave every later test, the demo adapters' training included, on one thread."""
+    num_threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != num_threads:
+        torch.set_num_threads(num_threads)

@@ -238,6 +238,7 @@ def test_lm_eval_scores_equal_the_engine(
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
     _write_tasks(tmp_path, tiny_model_dir)
     tokenizer = llm.get_tokenizer()
+    task_manager = TaskManager(include_path=str(tmp_path))  # indexes lm-eval's tasks: once
     for model, lora in models.items():
         results = lm_eval.simple_evaluate(
             model="local-completions",
@@ -252,7 +253,7 @@ def test_lm_eval_scores_equal_the_engine(
             },
             tasks=["raylora_mc", "raylora_ppl"],
             batch_size=3,
-            task_manager=TaskManager(include_path=str(tmp_path)),
+            task_manager=task_manager,
             log_samples=True,
         )
         correct = 0
