@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install model adapters serve demo test lint bench clean
+.PHONY: install model adapters serve status demo test lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,8 +25,15 @@ adapters: model
 
 # The main job: the OpenAI-compatible Serve app on http://127.0.0.1:8000 (default model + demo adapters).
 # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: the local Ray it starts listens on loopback only.
+# RAY_AUTH_MODE=token: Ray's token authentication (its default for a new local cluster,
+# said explicitly); the token is in ~/.ray/auth_token, which `make status` reads too.
 serve: adapters
-	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/serve run --name raylora serve_app:app
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=token $(BIN)/serve run --name raylora serve_app:app
+
+# From a second terminal, while `make serve` runs: the app's status and Ray's actors.
+status:
+	RAY_AUTH_MODE=token $(BIN)/serve status
+	RAY_AUTH_MODE=token $(BIN)/ray list actors
 
 # Terminal demo: stream a chat answer from the engine, with and without a demo adapter
 demo: adapters
