@@ -63,7 +63,7 @@ def test_adapter_read_does_not_block_the_event_loop(tiny_model_dir, tmp_path, mo
         async def base_stream():
             spec = SamplingSpec(max_tokens=400, temperature=0, ignore_eos=True)
             request = GenerateRequest("base", spec, prompt="Hello there")
-            async for out in server.generate(request):
+            async for _ in server.generate(request):
                 token_times.append(time.monotonic())
                 if not loading.is_set() and len(token_times) > 3:
                     loading.set()
