@@ -12,10 +12,13 @@ cpu_load_ms (hit in the CPU cache) or disk_load_ms (cold); requests for that ada
 when it is ready. Simplifications: the batch size is fixed at admission; a load delays only
 the requests that need the adapter (vLLM's load stalls the whole step, so real loads cost more).
 
+With `system_prompt_tokens`, every prompt starts with its tenant's system prompt (a tenant
+per adapter, plus `num_base_tenants` base tenants), and a replica with `prefix_cache_tokens`
+keeps the prefixes it computed (LRU by tenant) and prefills only the rest of a prompt that
+starts with one: the table's "prefix hit" is the share of prompt tokens served that way.
+
 Routing sees exact per-replica load (running + waiting, what Ray's queue-length cache tracks)
-and residency. Each policy returns ranked tiers like Ray's `choose_replicas`; the request
-goes to the least loaded replica of the first tier with one under `max_ongoing_requests`,
-else to the least loaded replica (standing in for Ray's retry with backoff).
+and residency; the policies are in cluster/sim_router.py.
 
 Utilisation = arrival rate / fleet capacity, capacity = n * max_num_seqs / (service time of a
 mean request at a full batch, no adapter loads).
@@ -35,76 +38,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from cluster.sim_replica import Replica, Request, SimConfig
-from deployments.routing_policy import power_of_two, rank_replicas
-
-POLICIES = ("affinity", "p2c", "ray_multiplex", "round_robin", "random")
-
-
-def _pick(tiers: list[list[Replica]], replicas: list[Replica], cap: int) -> Replica:
-    for tier in tiers:
-        best = None
-        for r in tier:
-            if r.load < cap and (best is None or r.load < best.load):
-                best = r
-        if best is not None:
-            return best
-    return min(replicas, key=lambda r: r.load)
-
-
-class Router:
-    def __init__(self, policy: str, replicas: list[Replica], cfg: SimConfig) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}; choose from {POLICIES}")
-        self.policy = policy
-        self.replicas = replicas
-        self.by_id = {r.replica_id: r for r in replicas}
-        self.cfg = cfg
-        self.rng = random.Random(cfg.seed + 1)
-        self.rr = itertools.cycle(replicas)
-
-    def route(self, adapter: str) -> Replica:
-        reps, rng = self.replicas, self.rng
-        if self.policy == "affinity":
-            views = [r.view() for r in reps]
-            ranked = rank_replicas(
-                adapter,
-                views,
-                load_bound_c=self.cfg.load_bound_c,
-                min_load_bound=self.cfg.min_load_bound,
-                rng=rng,
-            )
-            tiers = [[self.by_id[v.replica_id] for v in t] for t in ranked]
-        elif self.policy == "p2c":
-            tiers = [
-                [self.by_id[v.replica_id] for v in power_of_two([r.view() for r in reps], rng)[0]]
-            ]
-        elif self.policy == "ray_multiplex":
-            tiers = self._ray_multiplex(adapter)
-        elif self.policy == "round_robin":
-            tiers = [[next(self.rr)]]
-        else:
-            tiers = [[rng.choice(reps)]]
-        return _pick(tiers, reps, self.cfg.max_ongoing_requests)
-
-    def _ray_multiplex(self, adapter: str) -> list[list[Replica]]:
-        """Ray's PowerOfTwoChoicesRequestRouter with a multiplexed model id.
-
-        apply_multiplex_routing: two random replicas among those that report the model id
-        (here: the adapter is in their CPU cache); if none, or both are full, two random
-        among the replicas with the fewest models; then two random among all.
-        Base requests: two random replicas.
-        """
-        reps, rng = self.replicas, self.rng
-
-        def two(pool: list[Replica]) -> list[Replica]:
-            return rng.sample(pool, 2) if len(pool) > 2 else list(pool)
-
-        if not adapter:
-            return [two(reps)]
-        fewest_n = min(len(r.cpu) for r in reps)
-        fewest = [r for r in reps if len(r.cpu) == fewest_n]
-        holders = [r for r in reps if adapter in r.cpu]
-        return ([two(holders)] if holders else []) + [two(fewest), two(reps)]
+from cluster.sim_router import POLICIES, Router
 
 
 @dataclass
@@ -118,6 +52,7 @@ class SimResult:
     ttft_p50_ms: float
     ttft_p99_ms: float
     served_max_over_mean: float
+    prefix_hit_rate: float  # prompt tokens served from the replicas' prefix caches
     queue_max_over_mean: float  # time-averaged ongoing requests, max replica / mean
     mean_running: float  # time-averaged running requests per replica (batch occupancy)
     wall_s: float
@@ -144,7 +79,11 @@ def _workload(cfg: SimConfig):
             adapter = _adapter_name(k)
         p = rng.randint(cfg.prompt_tokens // 2, cfg.prompt_tokens * 3 // 2)
         o = rng.randint(max(1, cfg.output_tokens // 2), cfg.output_tokens * 3 // 2)
-        yield Request(seq, adapter, t, p, o)
+        tenant, prefix = "", 0
+        if cfg.system_prompt_tokens > 0:  # a tenant's system prompt, then the user's turn
+            tenant = adapter or f"base-{rng.randrange(max(1, cfg.num_base_tenants))}"
+            prefix = cfg.system_prompt_tokens
+        yield Request(seq, adapter, t, prefix + p, o, tenant, prefix)
 
 
 def _adapter_name(popularity_rank: int) -> str:
@@ -194,7 +133,7 @@ def simulate(policy: str, cfg: SimConfig, *, check: bool = False) -> SimResult:
     while events:
         now, _, req, replica = heapq.heappop(events)
         if replica is None:  # arrival
-            target = router.route(req.adapter)
+            target = router.route(req)
             target.enqueue(req, now)
             start(target, now)
             push_arrival()
@@ -221,6 +160,8 @@ def simulate(policy: str, cfg: SimConfig, *, check: bool = False) -> SimResult:
         ttft_p50_ms=_percentile(ttfts, 0.50),
         ttft_p99_ms=_percentile(ttfts, 0.99),
         served_max_over_mean=max(served) / (sum(served) / len(served)),
+        prefix_hit_rate=sum(r.prompt_tokens_cached for r in replicas)
+        / max(1, sum(r.prompt_tokens_seen for r in replicas)),
         queue_max_over_mean=max(areas) / max(1e-9, sum(areas) / len(areas)),
         mean_running=sum(r.running_area for r in replicas) / max(1e-9, now) / len(replicas),
         wall_s=time.perf_counter() - t0,
@@ -231,7 +172,8 @@ def simulate(policy: str, cfg: SimConfig, *, check: bool = False) -> SimResult:
 def format_table(results: list[SimResult]) -> str:
     head = (
         f"{'policy':<14}{'loads/1k':>10}{'top/1k':>8}{'cold/1k':>9}{'ttft p50':>10}{'ttft p99':>10}"
-        f"{'served max/mean':>17}{'queue max/mean':>16}{'batch':>7}{'wall s':>8}"
+        f"{'served max/mean':>17}{'prefix hit':>12}{'queue max/mean':>16}{'batch':>7}"
+        f"{'wall s':>8}"
     )
     rows = [head, "-" * len(head)]
     for r in results:
@@ -239,7 +181,8 @@ def format_table(results: list[SimResult]) -> str:
             f"{r.policy:<14}{r.slot_loads_per_1k:>10.1f}{r.top_slot_loads_per_1k:>8.1f}"
             f"{r.disk_loads_per_1k:>9.1f}"
             f"{r.ttft_p50_ms:>8.0f}ms{r.ttft_p99_ms:>8.0f}ms"
-            f"{r.served_max_over_mean:>17.2f}{r.queue_max_over_mean:>16.2f}"
+            f"{r.served_max_over_mean:>17.2f}{r.prefix_hit_rate:>12.1%}"
+            f"{r.queue_max_over_mean:>16.2f}"
             f"{r.mean_running:>7.1f}{r.wall_s:>8.1f}"
         )
     return "\n".join(rows)
@@ -276,6 +219,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--utilization", type=float, default=0.7)
     ap.add_argument("--load-bound-c", type=float, default=1.25)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--system-prompt-tokens", type=int, default=0, help="per-tenant prefix")
+    ap.add_argument("--base-tenants", type=int, default=4)
+    ap.add_argument("--prefix-cache-tokens", type=int, default=0, help="per replica; 0 = off")
     ap.add_argument(
         "--service",
         choices=sorted(SERVICE_PRESETS),
@@ -302,6 +248,9 @@ def main(argv: list[str] | None = None) -> None:
         utilization=args.utilization,
         load_bound_c=args.load_bound_c,
         seed=args.seed,
+        system_prompt_tokens=args.system_prompt_tokens,
+        num_base_tenants=args.base_tenants,
+        prefix_cache_tokens=args.prefix_cache_tokens,
         **SERVICE_PRESETS[args.service],
     )
     policies = [p for p in args.policies.split(",") if p]

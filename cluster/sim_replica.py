@@ -32,6 +32,13 @@ class SimConfig:
     cpu_load_ms: float = 3.0  # CPU cache -> GPU slot
     disk_load_ms: float = 150.0  # disk -> CPU cache -> GPU slot
     starvation_ms: float = 500.0
+    # Shared prompt prefixes (a tenant's system prompt): every adapter is a tenant with its
+    # own, and base requests belong to one of num_base_tenants tenants (uniformly). 0 = none.
+    system_prompt_tokens: int = 0
+    num_base_tenants: int = 4
+    # Each replica's prefix cache (the KV blocks of full prompt blocks, kept after a request
+    # ends): how many prefix tokens it holds, LRU by tenant. 0 = no prefix caching.
+    prefix_cache_tokens: int = 0
     load_bound_c: float = 1.25
     min_load_bound: int = DEFAULT_MIN_LOAD_BOUND
     seed: int = 0
@@ -50,10 +57,18 @@ class Request:
     seq: int  # arrival order
     adapter: str  # "" = base model
     arrival: float
-    prompt_tokens: int
+    prompt_tokens: int  # the system prompt (prefix_tokens) included
     output_tokens: int
+    tenant: str = ""  # whose system prompt the prompt starts with ("" = none)
+    prefix_tokens: int = 0
     ttft: float = -1.0
     finish: float = -1.0
+    cached_tokens: int = 0  # prompt tokens the replica's prefix cache served
+
+    @property
+    def routing_key(self) -> str:
+        """What affinity routing hashes: the adapter, or a base tenant's prefix."""
+        return self.adapter or (f"prefix:{self.tenant}" if self.tenant else "")
 
 
 class Replica:
@@ -77,6 +92,10 @@ class Replica:
         self.slot_loads = 0
         self.top_slot_loads = 0  # slot loads of adapters in self.top: reloads the floor excludes
         self.disk_loads = 0
+        self.prefix_cache: OrderedDict[str, int] = OrderedDict()  # tenant -> tokens; LRU
+        self.prefix_cache_size = 0
+        self.prompt_tokens_seen = 0
+        self.prompt_tokens_cached = 0
         self.load_area = 0.0  # integral of (running + waiting) dt
         self.running_area = 0.0  # integral of running dt
         self._last_t = 0.0
@@ -88,9 +107,11 @@ class Replica:
 
     def view(self) -> ReplicaView:
         if self._view is None or self._view.load != self.load:
-            self._view = ReplicaView(
-                self.replica_id, self.load, frozenset(self.slots), frozenset(self.cpu)
+            # base tenants' cached prefixes count as held keys (Request.routing_key)
+            held = frozenset(self.cpu).union(
+                f"prefix:{t}" for t in self.prefix_cache if t.startswith("base-")
             )
+            self._view = ReplicaView(self.replica_id, self.load, frozenset(self.slots), held)
         return self._view
 
     def _tick(self, now: float) -> None:
@@ -144,6 +165,25 @@ class Replica:
             assert len(self.slots) <= cfg.max_loras
         return ready
 
+    def _prefix_lookup(self, req: Request) -> int:
+        """Cached prompt tokens for `req`; afterwards its prefix is cached (LRU)."""
+        cfg = self.cfg
+        self.prompt_tokens_seen += req.prompt_tokens
+        if not req.tenant or cfg.prefix_cache_tokens <= 0:
+            return 0
+        if req.tenant in self.prefix_cache:
+            self.prefix_cache.move_to_end(req.tenant)
+            # the last prompt token is always computed (the engine needs its logits)
+            cached = min(req.prefix_tokens, req.prompt_tokens - 1)
+            self.prompt_tokens_cached += cached
+            return cached
+        self.prefix_cache[req.tenant] = req.prefix_tokens
+        self.prefix_cache_size += req.prefix_tokens
+        while self.prefix_cache_size > cfg.prefix_cache_tokens and len(self.prefix_cache) > 1:
+            _, tokens = self.prefix_cache.popitem(last=False)
+            self.prefix_cache_size -= tokens
+        return 0
+
     def _pop(self, adapter: str) -> Request:
         q = self.queues[adapter]
         req = q.popleft()
@@ -188,7 +228,8 @@ class Replica:
                 active = sum(1 for n in self.running_by_adapter.values() if n > 0)
                 assert active <= cfg.max_loras and self.num_running <= cfg.max_num_seqs
             step = cfg.decode_ms_per_token * (1 + cfg.batch_slowdown * (self.num_running - 1))
-            first = ready + req.prompt_tokens * cfg.prefill_ms_per_token
+            req.cached_tokens = self._prefix_lookup(req)
+            first = ready + (req.prompt_tokens - req.cached_tokens) * cfg.prefill_ms_per_token
             req.ttft = first - req.arrival
             req.finish = first + req.output_tokens * step
             started.append(req)

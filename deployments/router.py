@@ -10,6 +10,13 @@ builds the `ReplicaView`s from what Ray and the AdapterRegistry know:
   controller every `request_routing_stats_period_s`), the model ids it registered with
   `serve.multiplexed`, and the AdapterRegistry snapshot, refreshed by a background task.
 
+Base-model requests with a long prompt (a tenant's system prompt) are ranked like adapter
+requests, on the key `prefix_routing_key` makes of the prompt's first 512 characters: its
+requests stay on one replica, where the engine's prefix cache holds that prefix's KV, until
+that replica passes the load bound; the replicas this router sent the key to count as its
+holders (`on_request_routed`). Adapter requests are routed on the adapter alone: an
+adapter's requests already share replicas, and its cached prefixes are its own.
+
 Routing never waits on the registry: a failed or slow refresh keeps the previous snapshot,
 and a snapshot older than `registry_max_age_s` is ignored (the other sources still count).
 The refresh task starts with the first routed request and stops by itself when Ray is shut
@@ -27,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -37,12 +45,14 @@ from deployments.routing_policy import (
     DEFAULT_LOAD_BOUND_C,
     DEFAULT_MIN_LOAD_BOUND,
     ReplicaView,
+    prefix_routing_key,
     rank_replicas,
 )
 
 logger = logging.getLogger("ray.serve")
 
 SnapshotFetch = Callable[[], Awaitable[dict]]
+MAX_PREFIX_KEYS = 4096  # prefix keys remembered (key -> replicas it was routed to), LRU
 
 
 class RayShutDown(Exception):
@@ -60,7 +70,8 @@ async def _fetch_registry_snapshot() -> dict:
 
 
 class AdapterAffinityRouter(RequestRouter):
-    """Rendezvous hashing with bounded loads for adapter requests, power of two for base.
+    """Rendezvous hashing with bounded loads for adapter requests and for base requests
+    with a long prompt (on its prefix key), power of two for other base requests.
 
     Tiers (see `rank_replicas`): the first replica in the adapter's hash order that holds
     it and is under c x mean load; else the first under the bound; else all by load.
@@ -95,6 +106,9 @@ class AdapterAffinityRouter(RequestRouter):
         self._snapshot_time: float | None = None
         self._refresh_ok = True
         self._last_route_time: float | None = None
+        # prefix key -> the replicas this router sent it to, most recent last (LRU of keys):
+        # they hold that prefix's KV, as residency tells where an adapter is
+        self._prefix_holders: OrderedDict[str, list[str]] = OrderedDict()
         if getattr(self, "_refresh_task", None) is not None:
             self._refresh_task.cancel()
         self._refresh_task: asyncio.Task | None = None
@@ -176,6 +190,8 @@ class AdapterAffinityRouter(RequestRouter):
         adapter_id = ""
         if pending_request is not None:
             adapter_id = pending_request.metadata.multiplexed_model_id or ""
+            if not adapter_id:  # a base request: route by its prompt prefix, if it has one
+                adapter_id = _prefix_key(pending_request)
             # Back off between full passes over the tiers (Ray loops without sleeping
             # while should_backoff is False).
             pending_request.routing_context.should_backoff = True
@@ -186,6 +202,16 @@ class AdapterAffinityRouter(RequestRouter):
         residency = self._snapshot_residency()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         views = [self._view(r, residency) for r in candidate_replicas]
+        holders = self._prefix_holders.get(adapter_id) if adapter_id.startswith("prefix:") else None
+        if holders:
+            views = [
+                ReplicaView(
+                    v.replica_id, v.load, v.adapters_in_slots, v.adapters_in_cpu | {adapter_id}
+                )
+                if v.replica_id in holders
+                else v
+                for v in views
+            ]
         tiers = rank_replicas(
             adapter_id,
             views,
@@ -194,3 +220,25 @@ class AdapterAffinityRouter(RequestRouter):
             rng=self._rng,
         )
         return [[by_id[v.replica_id] for v in tier] for tier in tiers]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        """Remember where a base request's prefix went (Ray calls this once routed)."""
+        key = _prefix_key(pending_request) if pending_request is not None else ""
+        if not key or (pending_request.metadata.multiplexed_model_id or ""):
+            return
+        holders = self._prefix_holders.pop(key, [])
+        rid = replica_id.unique_id
+        self._prefix_holders[key] = [h for h in holders if h != rid][-3:] + [rid]
+        while len(self._prefix_holders) > MAX_PREFIX_KEYS:
+            self._prefix_holders.popitem(last=False)
+
+
+def _prefix_key(pending_request: PendingRequest) -> str:
+    """The prefix routing key of a request to LLMServer.generate/complete, or ""."""
+    from deployments.protocol import GenerateRequest
+
+    args = getattr(pending_request, "args", None) or ()
+    request = args[0] if args else None
+    if not isinstance(request, GenerateRequest):
+        return ""
+    return prefix_routing_key(request.prompt, request.prompt_token_ids, request.messages)

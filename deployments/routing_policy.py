@@ -145,3 +145,34 @@ def rank_replicas(
     if rest:
         tiers.append(rest)
     return tiers
+
+
+# ---- base requests that share a prompt prefix -----------------------------------------------
+
+PREFIX_KEY_CHARS = 512  # of the prompt text: a system prompt of ~128 tokens and more
+MIN_PREFIX_CHARS = 256  # shorter prompts have too little to reuse: power of two as before
+PREFIX_KEY_TOKENS = 128  # the same for a prompt given as token ids
+
+
+def prefix_routing_key(
+    prompt: str | None, prompt_token_ids: list[int] | None, messages: list[dict] | None
+) -> str:
+    """The routing key of a base-model request: "prefix:<hash of its first 512 characters>",
+    or "" when the prompt is short. Requests of one tenant (same system prompt) share it, so
+    `rank_replicas(key, ...)` sends them to the same replica within the load bound, where the
+    engine's prefix cache holds their KV. Adapter requests need no such key: an adapter's
+    requests already share a replica, and the engine never reuses KV across adapters.
+    """
+    if messages:
+        text = "".join(f"{m.get('role', '')}\x1f{m.get('content', '')}\x1e" for m in messages)
+    elif prompt_token_ids:
+        if len(prompt_token_ids) < MIN_PREFIX_CHARS // 4:
+            return ""
+        text = ",".join(map(str, prompt_token_ids[:PREFIX_KEY_TOKENS]))
+        return "prefix:ids:" + hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+    else:
+        text = prompt or ""
+    if len(text) < MIN_PREFIX_CHARS:
+        return ""
+    digest = hashlib.blake2b(text[:PREFIX_KEY_CHARS].encode(), digest_size=8).hexdigest()
+    return f"prefix:{digest}"

@@ -192,3 +192,44 @@ def test_should_backoff_and_bad_kwargs():
         router.initialize_state(load_bound=2)  # typo of load_bound_c
     with pytest.raises(ValueError):
         router.initialize_state(load_bound_c=0.5)
+
+
+def _base_request(prompt: str) -> PendingRequest:
+    from deployments.protocol import GenerateRequest
+
+    meta = RequestMetadata(request_id="r", internal_request_id="r", multiplexed_model_id="")
+    return PendingRequest(args=[GenerateRequest("r", prompt=prompt)], kwargs={}, metadata=meta)
+
+
+def test_base_requests_with_a_shared_system_prompt_stay_on_one_replica():
+    """A base tenant's requests (same long system prompt, other user turns) go where the
+    first one went, while it is under the load bound, so the engine's prefix cache serves
+    them; short prompts keep power of two choices; another tenant hashes elsewhere."""
+    router = make_router()
+    replicas = [FakeReplica(uid) for uid in IDS]
+    by_id = {r.replica_id.unique_id: r for r in replicas}
+
+    def send(prompt: str) -> str:
+        async def go():
+            pending = _base_request(prompt)
+            tiers = await router.choose_replicas(replicas, pending)
+            chosen = tiers[0][0]
+            router.on_request_routed(pending, chosen.replica_id, None)
+            return chosen.replica_id.unique_id
+
+        return asyncio.run(go())
+
+    system_a = "You are the billing assistant of ACME. " * 20  # ~800 characters
+    system_b = "You are a pirate who answers in rhymes. " * 20
+    homes_a = {send(f"{system_a}\nUser: question {i}") for i in range(10)}
+    homes_b = {send(f"{system_b}\nUser: question {i}") for i in range(10)}
+    assert len(homes_a) == 1 and len(homes_b) == 1
+    key_a = next(iter(router._prefix_holders))
+    assert key_a.startswith("prefix:")
+    # over the load bound, the tenant spills along its hash order, and the holder is kept
+    home = homes_a.pop()
+    by_id[home].routing_stats["num_running"] = 40
+    spilled = send(f"{system_a}\nUser: one more")
+    assert spilled != home
+    short = Counter(send(f"hi {i}") for i in range(60))  # no prefix: spread
+    assert len(short) >= 4
