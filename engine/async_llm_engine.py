@@ -93,6 +93,9 @@ class AsyncLLMEngine:
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         read = await self._read_lora(lora_request) if lora_request is not None else None
+        structured = getattr(sampling_params, "structured_outputs", None)
+        if structured is not None:  # compile in a worker thread, not in the step's lock
+            await asyncio.to_thread(self.engine.structured.compile, structured)
 
         def add() -> None:
             with self._lock:

@@ -20,6 +20,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
+from engine.structured import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +41,11 @@ class LLMEngine:
         self.block_manager = BlockManager(self.model_runner.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.input_processor = InputProcessor(self.tokenizer, args.vocab_size, max_len)
-        self.output_processor = OutputProcessor(
-            self.tokenizer, _eos_token_ids(self.tokenizer, self.model_path), max_len
-        )
+        eos_token_ids = _eos_token_ids(self.tokenizer, self.model_path)
+        self.output_processor = OutputProcessor(self.tokenizer, eos_token_ids, max_len)
+        # grammars of structured outputs; the sampler masks constrained rows with them
+        self.structured = StructuredOutputManager(self.tokenizer, args.vocab_size, eos_token_ids)
+        self.model_runner.sampler.structured = self.structured
 
     # -- requests ---------------------------------------------------------------------
     def add_request(
@@ -68,12 +71,17 @@ class LLMEngine:
             if not self.config.enable_lora:
                 raise InvalidRequestError("this engine was started with enable_lora=False")
             self.add_lora(lora_request)
+        grammar = None  # cached unless the caller compiled it elsewhere first (AsyncLLMEngine)
+        if params.structured_outputs is not None:
+            grammar = self.structured.compile(params.structured_outputs)
         step = self.scheduler.step_count
         first = Sequence(request_id, 0, prompt_ids, params, lora_request, step)
         seqs = [first] + [
             Sequence(request_id, i, prompt_ids, params, lora_request, step, parent=first)
             for i in range(1, params.n)
         ]
+        if grammar is not None:
+            self.structured.add_sequences(seqs, grammar)
         detoks = [IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) for _ in seqs]
         self.output_processor.add(
             RequestState(request_id, text, prompt_ids, params, lora_request, seqs, detoks)

@@ -1,10 +1,16 @@
 """Sampling from the last-position logits of the sequences that sample this step."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from engine.structured import StructuredOutputManager
 
 
 @dataclass
@@ -17,14 +23,43 @@ class SampleResult:
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)  # for unseeded requests
+        # Set by LLMEngine (it needs the tokenizer): the grammars of constrained sequences.
+        self.structured: StructuredOutputManager | None = None
 
     def sample_isolated(
         self, logits: torch.Tensor, seqs: list[Sequence]
     ) -> tuple[list[SampleResult | None], list[str | None]]:
-        """Like __call__, but a row that fails (a bad value that slipped past verification, e.g.
-        params changed after add_request) fails alone: (results, errors), row i has one of the
-        two. If the batch raises, the generators are put back and the rows run one by one, so
-        a seeded row draws what it would have drawn without the failing row."""
+        """Like __call__, but with structured outputs, and a row that fails fails alone:
+        (results, errors), row i has one of the two.
+
+        Constrained rows first get their grammar's token bitmask (logits of disallowed tokens
+        -inf, in place, in this same batch; logprobs are then those of the masked
+        distribution, as in vLLM), and after sampling their grammar accepts the token. A row
+        whose matcher fails, or whose grammar refuses its token, fails alone."""
+        logits = logits.float()
+        errors: list[str | None] = [None] * len(seqs)
+        if self.structured is not None:
+            errors = self.structured.apply_bitmask(logits, seqs)
+        rows = [i for i, e in enumerate(errors) if e is None]
+        results: list[SampleResult | None] = [None] * len(seqs)
+        if rows:
+            sub = logits if len(rows) == len(seqs) else logits[rows]
+            sampled, failed = self._sample_rows(sub, [seqs[i] for i in rows])
+            for i, result, error in zip(rows, sampled, failed, strict=True):
+                results[i], errors[i] = result, error
+        if self.structured is not None:  # after the whole batch: a retried row accepts once
+            for i in rows:
+                result = results[i]
+                if result is not None and (err := self.structured.accept(seqs[i], result.token_id)):
+                    results[i], errors[i] = None, err
+        return results, errors
+
+    def _sample_rows(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> tuple[list[SampleResult | None], list[str | None]]:
+        """__call__ over the batch; if it raises (a bad value that slipped past verification,
+        e.g. params changed after add_request), the generators are put back and the rows run
+        one by one, so a seeded row draws what it would have drawn without the failing row."""
         states = [self.generator.get_state()]
         states += [s.generator.get_state() for s in seqs if s.generator is not None]
         try:

@@ -1,5 +1,7 @@
+import json as jsonlib
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.errors import InvalidRequestError
 
@@ -19,6 +21,83 @@ def _is_finite_real(v: object) -> bool:
 
 
 @dataclass(slots=True)
+class StructuredOutputsParams:
+    """vLLM's StructuredOutputsParams: the output must match exactly one of a JSON Schema
+    (`json`, a dict or its JSON text), a regular expression, one string of `choice`, an EBNF
+    grammar (xgrammar's GBNF dialect, with a `root` rule) or any JSON object (`json_object`).
+    engine/structured/ compiles it (once per distinct value) and masks the logits with it."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON: only the separators' single spaces
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is; verify() checks that exactly one is set."""
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    def verify(self) -> None:
+        def bad(msg: str) -> None:
+            raise InvalidRequestError(f"structured_outputs: {msg}")
+
+        kinds = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            bad(f"set exactly one of {', '.join(self.KINDS)} (got {kinds or 'none'})")
+        if self.json is not None:
+            self.schema()  # parses, or raises naming the problem
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                bad(f"{name} must be a non-empty string, got {v!r}")
+        c = self.choice
+        if c is not None and (
+            not isinstance(c, list | tuple) or not c or any(not isinstance(x, str) for x in c)
+        ):
+            bad(f"choice must be a non-empty list of strings, got {c!r}")
+        if self.json_object not in (None, True, False):
+            bad(f"json_object must be a boolean, got {self.json_object!r}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            bad(f"disable_any_whitespace must be a boolean, got {self.disable_any_whitespace!r}")
+
+    def schema(self) -> dict[str, Any] | bool:
+        """The JSON Schema, parsed (json may arrive as text)."""
+        schema = self.json
+        if isinstance(schema, str):
+            try:
+                schema = jsonlib.loads(schema)
+            except ValueError as e:
+                raise InvalidRequestError(
+                    f"structured_outputs: json is not valid JSON: {e}"
+                ) from None
+        if not isinstance(schema, dict | bool):
+            raise InvalidRequestError(
+                f"structured_outputs: json must be a JSON Schema (an object), got {schema!r:.80}"
+            )
+        return schema
+
+    def key(self) -> tuple[str, str, bool]:
+        """(kind, canonical text, disable_any_whitespace): equal keys compile to one grammar."""
+        kind = self.kind
+        if kind == "json":
+            try:
+                text = jsonlib.dumps(self.schema(), sort_keys=True, allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise InvalidRequestError(f"structured_outputs: json is not JSON: {e}") from None
+        elif kind == "choice":
+            text = jsonlib.dumps(list(self.choice or []))
+        elif kind == "json_object":
+            text = ""
+        else:
+            text = getattr(self, kind)
+        return kind, text, self.disable_any_whitespace
+
+
+@dataclass(slots=True)
 class SamplingParams:
     """vLLM's SamplingParams (the subset raylora supports). temperature=0 means greedy."""
 
@@ -35,6 +114,8 @@ class SamplingParams:
     # number of top logprobs to return per prompt token (0 = only the prompt token's own)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # constrain the output (vLLM's field); a dict is taken as StructuredOutputsParams(**dict)
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strs: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -82,6 +163,18 @@ class SamplingParams:
             not isinstance(ids, list | tuple) or any(not _is_int(t) or t < 0 for t in ids)
         ):
             bad(f"stop_token_ids must be a list of non-negative integers, got {ids!r}")
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            try:
+                so = self.structured_outputs = StructuredOutputsParams(**so)
+            except TypeError as e:
+                bad(f"structured_outputs: {e}")
+        if so is not None:
+            if not isinstance(so, StructuredOutputsParams):
+                bad(f"structured_outputs must be a StructuredOutputsParams, got {so!r:.80}")
+            so.verify()
+            if self.ignore_eos:  # the grammar ends the output with EOS; past it nothing is valid
+                bad("ignore_eos cannot be combined with structured_outputs")
 
     @property
     def greedy(self) -> bool:
