@@ -5,9 +5,11 @@ OpenAI's and vLLM's servers do) and strictly about values: every number is finit
 JSON type the API documents (no strings, no booleans for numbers), within vLLM's ranges, so
 no request reaches a replica with a value the engine cannot take. Fields raylora cannot
 honour are rejected with a 400 rather than silently dropped. The one check that needs the
-tokenized prompt (prompt + max_tokens <= max_model_len) is the engine's.
+tokenized prompt (prompt + max_tokens <= max_model_len) is the engine's. Structured outputs
+and tools have their fields in deployments/structured_outputs.py.
 """
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -15,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from deployments.protocol import APIError, SamplingSpec, bad_request
+from deployments.structured_outputs import StructuredOutputFields, ToolFields
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
@@ -37,11 +40,6 @@ UNSUPPORTED_EXTENSIONS: dict[str, Any] = {
     "use_beam_search": False,
     "include_stop_str_in_output": False,
     "prompt_logprobs": None,
-    "guided_json": None,
-    "guided_regex": None,
-    "guided_choice": None,
-    "guided_grammar": None,
-    "structured_outputs": None,
     "bad_words": None,
     "allowed_token_ids": None,
 }
@@ -92,7 +90,7 @@ class StreamOptions(BaseModel):
     include_usage: Annotated[bool, Field(strict=True)] = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(StructuredOutputFields):
     """Sampling fields shared by /v1/completions and /v1/chat/completions."""
 
     model_config = ConfigDict(extra="allow")
@@ -142,6 +140,7 @@ class _SamplingFields(BaseModel):
     def _spec(self, max_tokens: int | None) -> SamplingSpec:
         """The SamplingSpec; OpenAI's defaults where the request is silent."""
         self._reject_unsupported()
+        tool_spec = self.tool_spec() if isinstance(self, ToolFields) else None
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingSpec(
             n=self.n,
@@ -154,6 +153,7 @@ class _SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos,
             seed=self.seed,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structured_outputs_spec(tool_spec),
         )
 
 
@@ -213,11 +213,17 @@ class CompletionRequest(_SamplingFields):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
 
     def text(self) -> str:
+        if self.content is None and self.tool_calls:
+            # the template has no tool syntax: the calls as the JSON the model was made to write
+            calls = [c.get("function", c) for c in self.tool_calls]
+            return json.dumps(calls, ensure_ascii=False)
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -233,21 +239,14 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, ToolFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(strict=True, ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(strict=True, ge=1)] | None = None
     logprobs: Annotated[bool, Field(strict=True)] = False
     top_logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     def chat_messages(self) -> list[dict[str, str]]:
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise bad_request("tools are not supported", param="tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise bad_request("only response_format type 'text' is supported", "response_format")
         # OpenAI's "developer" role is the system prompt of newer models
         role = {"developer": "system"}
         return [{"role": role.get(m.role, m.role), "content": m.text()} for m in self.messages]
@@ -322,9 +321,22 @@ class ChatChoiceLogProbs(BaseModel):
     content: list[ChatLogProb] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str = Field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    # only when the request forced a tool call (left out of the JSON otherwise)
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletionChoice(BaseModel):

@@ -76,6 +76,30 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 @dataclass(slots=True)
+class StructuredOutputsSpec:
+    """engine.sampling_params.StructuredOutputsParams' fields: exactly one of json (a JSON
+    Schema), regex, choice, grammar (EBNF) and json_object is set."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """StructuredOutputsParams(**engine_kwargs())."""
+        return {
+            "json": self.json,
+            "regex": self.regex,
+            "choice": list(self.choice) if self.choice is not None else None,
+            "grammar": self.grammar,
+            "json_object": self.json_object,
+            "disable_any_whitespace": self.disable_any_whitespace,
+        }
+
+
+@dataclass(slots=True)
 class SamplingSpec:
     """engine.SamplingParams' fields (see engine/sampling_params.py for their meaning)."""
 
@@ -91,9 +115,12 @@ class SamplingSpec:
     logprobs: int | None = None  # top logprobs per generated token
     prompt_logprobs: int | None = None  # top logprobs per prompt token
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsSpec | None = None  # constrain the output
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """SamplingParams(**engine_kwargs())."""
+        """SamplingParams(**engine_kwargs()); structured_outputs travels as a dict, which
+        SamplingParams turns into its StructuredOutputsParams."""
+        so = self.structured_outputs
         return {
             "n": self.n,
             "temperature": self.temperature,
@@ -107,6 +134,7 @@ class SamplingSpec:
             "logprobs": self.logprobs,
             "prompt_logprobs": self.prompt_logprobs,
             "skip_special_tokens": self.skip_special_tokens,
+            "structured_outputs": so.engine_kwargs() if so is not None else None,
         }
 
 

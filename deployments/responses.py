@@ -5,7 +5,8 @@ prompt; its choices are numbered prompt_index * n + completion index, as vLLM nu
 With `echo`, each choice's text starts with its prompt, and with `logprobs` too, its logprobs
 start with one entry per prompt token (the first one's is null, as in vLLM and OpenAI's
 legacy API). `echo` with max_tokens=0 returns the prompt alone (the one token the engine
-generated is dropped): that is how lm-eval scores a prompt.
+generated is dropped): that is how lm-eval scores a prompt. A chat request that forces a
+tool call gets its text back as `tool_calls` (deployments/tool_calls.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from deployments.openai_protocol import (
     UsageInfo,
 )
 from deployments.protocol import CompletionDelta, ReplicaOutput, TokenLogprob
+from deployments.tool_calls import ToolCallStream, finish_reason, parse_tool_calls
 
 
 def _usage(num_prompt: int, num_completion: int) -> UsageInfo:
@@ -120,16 +122,22 @@ def build_completion_response(
 def build_chat_response(
     req: ChatCompletionRequest, out: ReplicaOutput, response_id: str
 ) -> ChatCompletionResponse:
-    choices = [
-        ChatCompletionChoice(
-            index=o.index,
-            message=ChatResponseMessage(content=o.text),
-            logprobs=chat_logprobs(o.logprobs),
-            finish_reason=o.finish_reason,
-            stop_reason=o.stop_reason,
+    forced = req.forced_tool()
+    choices = []
+    for o in sorted(out.outputs, key=lambda o: o.index):
+        message, reason = ChatResponseMessage(content=o.text), o.finish_reason
+        calls = parse_tool_calls(forced, o.text) if forced is not None else None
+        if calls is not None:
+            message, reason = ChatResponseMessage(tool_calls=calls), finish_reason(forced, reason)
+        choices.append(
+            ChatCompletionChoice(
+                index=o.index,
+                message=message,
+                logprobs=chat_logprobs(o.logprobs),
+                finish_reason=reason,
+                stop_reason=o.stop_reason,
+            )
         )
-        for o in sorted(out.outputs, key=lambda o: o.index)
-    ]
     num_completion = sum(len(o.token_ids) for o in out.outputs)
     return ChatCompletionResponse(
         id=response_id,
@@ -152,6 +160,8 @@ class ChunkBuilder:
         self._echo: dict[int, _Echo] = {}  # prompt index -> its echo (completions)
         self._started: set[int] = set()  # choice indices that got their first chunk
         self._offsets: dict[int, int] = {}  # choice index -> text offset (completions logprobs)
+        self._forced = req.forced_tool() if self.chat else None  # a function name, "required"
+        self._tool_streams: dict[int, ToolCallStream] = {}  # choice index -> its tool calls
 
     def _chunk(self, choices: list[dict]) -> dict[str, Any]:
         return {
@@ -185,13 +195,20 @@ class ChunkBuilder:
             out.append(
                 self._chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
             )
-        if not o.text and o.finish_reason is None:
+        delta: dict[str, Any] = {"content": o.text} if o.text else {}
+        reason = o.finish_reason
+        if self._forced is not None:
+            stream = self._tool_streams.setdefault(i, ToolCallStream(self._forced))
+            calls = stream.feed(o.text)
+            delta = {"tool_calls": calls} if calls else {}
+            reason = finish_reason(self._forced, reason)
+        if not delta and reason is None:
             return out
         choice = {
             "index": i,
-            "delta": {"content": o.text} if o.text else {},
+            "delta": delta,
             "logprobs": _dump(chat_logprobs(o.logprobs)),
-            "finish_reason": o.finish_reason,
+            "finish_reason": reason,
             "stop_reason": o.stop_reason,
         }
         return [*out, self._chunk([choice])]

@@ -122,8 +122,35 @@ def cases(base: str, adapter: str, adapter_root: str, max_body_bytes: int) -> li
         ch("unknown role", messages=[{"role": "robot", "content": "hi"}]),
         ch("image content", messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
         ch("content is a number", messages=[{"role": "user", "content": 5}]),
-        ch("tools", tools=[{"type": "function", "function": {"name": "f"}}]),
-        ch("response_format json_object", response_format={"type": "json_object"}),
+        # structured outputs and tools (the replica's compiler checks what needs xgrammar)
+        ch("tools with tool_choice auto", tools=[{"type": "function", "function": {"name": "f"}}]),
+        ch(
+            "tool_choice naming no tool",
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
+        ch("response_format of an unknown type", response_format={"type": "xml"}),
+        ch(
+            "response_format json_schema not a schema",
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": 5}},
+            },
+        ),
+        comp("guided_json not JSON", guided_json="{oops"),
+        comp("two constraints", guided_regex="a+", guided_choice=["a"]),
+        comp("structured_outputs unknown key", structured_outputs={"jsn": {}}),
+        comp("guided_regex lookbehind", guided_regex="(?<=a)b", engine=True),
+        comp("guided_grammar undefined rule", guided_grammar="root ::= nope", engine=True),
+        ch(
+            "json schema keyword xgrammar ignores",
+            engine=True,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}},
+            },
+        ),
+        comp("structured outputs with ignore_eos", guided_regex="a+", ignore_eos=True, engine=True),
         ch("top_logprobs without logprobs", top_logprobs=2),
         ch("top_logprobs 50", logprobs=True, top_logprobs=50),
         ch("max_completion_tokens 0", max_completion_tokens=0),
