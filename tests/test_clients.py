@@ -175,6 +175,105 @@ def test_client_errors(client):
         client.completions.create(model="a1", prompt="x", temperature=-1)
 
 
+# ---------------------------------------------------------------- structured outputs
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Oslo", "Rome"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+
+
+def test_parse_with_a_pydantic_model(client, llm, models):
+    """client.chat.completions.parse(response_format=<pydantic model>), unmodified: the
+    client sends the model's strict JSON Schema and validates the answer with pydantic; the
+    answer is the offline engine's under the same schema."""
+    from typing import Literal
+
+    from openai.lib._pydantic import to_strict_json_schema
+    from pydantic import BaseModel, Field
+
+    from engine import SamplingParams
+
+    class Pet(BaseModel):
+        name: str = Field(max_length=6)
+        kind: Literal["cat", "dog", "fox"]
+        age: int = Field(ge=0, le=30)
+
+    for model, lora in models.items():
+        r = client.chat.completions.parse(
+            model=model, messages=CHAT, response_format=Pet, max_tokens=300, temperature=0
+        )
+        (choice,) = r.choices
+        assert isinstance(choice.message.parsed, Pet), choice.message.content
+        so = {"json": to_strict_json_schema(Pet)}
+        ref = llm.chat(
+            CHAT, SamplingParams(temperature=0, max_tokens=300, structured_outputs=so), lora
+        )
+        assert choice.message.content == ref[0].outputs[0].text
+
+
+def test_named_tool_call_whole_and_streamed(client, llm, models):
+    from engine import SamplingParams
+
+    tools = [{"type": "function", "function": {"name": "forecast", "parameters": WEATHER}}]
+    choice = {"type": "function", "function": {"name": "forecast"}}
+    for model, lora in models.items():
+        r = client.chat.completions.create(
+            model=model,
+            messages=CHAT,
+            tools=tools,
+            tool_choice=choice,
+            max_tokens=200,
+            temperature=0,
+        )
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "forecast" and r.choices[0].finish_reason == "stop"
+        args = json.loads(call.function.arguments)
+        assert set(args) == {"city", "days"} and 1 <= args["days"] <= 7
+        ref = llm.chat(
+            CHAT,
+            SamplingParams(temperature=0, max_tokens=200, structured_outputs={"json": WEATHER}),
+            lora,
+        )
+        assert call.function.arguments == ref[0].outputs[0].text
+        stream = client.chat.completions.create(
+            model=model,
+            messages=CHAT,
+            tools=tools,
+            tool_choice=choice,
+            max_tokens=200,
+            temperature=0,
+            stream=True,
+        )
+        parts = [t for c in stream if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+        assert parts[0].function.name == "forecast" and parts[0].id
+        assert "".join(p.function.arguments or "" for p in parts) == call.function.arguments
+
+
+def test_grammar_errors_from_the_replica_are_400s(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="Lookbehind is not supported"):
+        client.completions.create(model="a1", prompt="x", extra_body={"guided_regex": "(?<=a)b"})
+    schema = {"type": "array", "uniqueItems": True}
+    with pytest.raises(openai.BadRequestError, match="uniqueItems"):
+        client.chat.completions.create(
+            model="a1",
+            messages=CHAT,
+            stream=True,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        )
+    r = client.completions.create(
+        model="a1", prompt="x", temperature=0, extra_body={"guided_choice": ["up", "down"]}
+    )
+    assert r.choices[0].text in ("up", "down")
+
+
 # ---------------------------------------------------------------- lm-eval
 
 DOCS = [
