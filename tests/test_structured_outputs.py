@@ -357,3 +357,28 @@ def test_compile_runs_off_the_step_and_bad_schema_fails_at_generate(tiny_model_d
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     assert max(gaps) < 1.0, max(gaps)
     assert eng.engine.get_num_unfinished_requests() == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_default_model_and_demo_adapters_follow_every_schema(default_model_dir, capsys):
+    """The benchmark's acceptance run, small: the default model and each demo adapter, one
+    sampled request per schema (5 schemas), in one engine; every output valid (jsonschema).
+    The full run (50 per schema, and the same prompts unconstrained) is
+    benchmarks/structured_outputs.py (docs/benchmarks.md)."""
+    from benchmarks import structured_outputs as bench
+    from engine.lora.demo import ensure_demo_adapters
+
+    ensure_demo_adapters()
+    r = bench.main(
+        [
+            "--requests-per-schema",
+            "1",
+            "--skip-throughput",
+            "--skip-unconstrained",
+            "--max-tokens",
+            "160",
+        ]
+    )
+    assert r["num_constrained"] == 20
+    assert r["valid_constrained"] == 20, capsys.readouterr().out
