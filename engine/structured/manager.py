@@ -101,10 +101,6 @@ class StructuredOutputManager:
         future.set_result(grammar)
         return grammar
 
-    def is_cached(self, params: StructuredOutputsParams) -> bool:
-        with self._lock:
-            return params.key() in self._cache
-
     def _compile(self, params: StructuredOutputsParams) -> Any:
         kind = params.kind
         schema = params.schema() if kind == "json" else None
@@ -150,9 +146,6 @@ class StructuredOutputManager:
 
         for seq in seqs:
             self._matchers[seq] = xgr.GrammarMatcher(grammar)
-
-    def is_constrained(self, seq: Any) -> bool:
-        return seq in self._matchers
 
     def apply_bitmask(self, logits: torch.Tensor, seqs: list) -> list[str | None]:
         """Set to -inf, in place, the logits (row i for seqs[i], [S, V] float32 on the CPU) of
