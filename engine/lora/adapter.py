@@ -44,6 +44,9 @@ class LoRAAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
     source: str  # the folder or Hub repo id it came from
     use_rslora: bool = False
+    # The adapter as loaded, for prefix caching: a content hash of what it computes (set by
+    # LoRAManager). A name reloaded with other weights gets another; the same weights the same.
+    identity: str | None = None
 
     def num_bytes(self) -> int:
         return sum(
