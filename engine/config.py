@@ -19,6 +19,7 @@ class CacheConfig:
     block_size: int
     num_kv_blocks: int | None  # None: derived from kv_cache_memory_gb once the model is known
     kv_cache_memory_gb: float
+    enable_prefix_caching: bool = True
 
 
 @dataclass(slots=True)
@@ -41,6 +42,9 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 1.0
+    # Automatic prefix caching (vLLM's name and v1 default): reuse the KV of full blocks of
+    # an earlier prompt with the same prefix under the same adapter (engine/block_manager.py).
+    enable_prefix_caching: bool = True
     enable_lora: bool = True
     max_loras: int = 4
     max_lora_rank: int = 16
@@ -100,7 +104,16 @@ class EngineConfig:
             max_loras=self.max_loras if self.enable_lora else 0,
             lora_starvation_steps=self.lora_starvation_steps,
         )
-        self.cache = CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_gb)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
+            )
+        self.cache = CacheConfig(
+            self.block_size,
+            self.num_kv_blocks,
+            self.kv_cache_memory_gb,
+            self.enable_prefix_caching,
+        )
         self.lora = LoRAConfig(
             self.enable_lora,
             self.max_loras,

@@ -38,7 +38,9 @@ class LLMEngine:
         # A sequence can never outgrow the whole KV cache.
         max_len = min(config.max_model_len, self.model_runner.num_kv_blocks * config.block_size)
         config.max_model_len = config.scheduler.max_model_len = max_len
-        self.block_manager = BlockManager(self.model_runner.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(
+            self.model_runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.input_processor = InputProcessor(self.tokenizer, args.vocab_size, max_len)
         eos_token_ids = _eos_token_ids(self.tokenizer, self.model_path)
@@ -67,17 +69,18 @@ class LLMEngine:
         max_len = self.config.max_model_len
         if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > max_len:
             raise ContextLengthError(max_len, len(prompt_ids), params.max_tokens)
+        identity = None  # the adapter as loaded, in its blocks' hashes (prefix caching)
         if lora_request is not None:
             if not self.config.enable_lora:
                 raise InvalidRequestError("this engine was started with enable_lora=False")
-            self.add_lora(lora_request)
+            identity = self._lora_manager().add_lora(lora_request).identity
         grammar = None  # cached unless the caller compiled it elsewhere first (AsyncLLMEngine)
         if params.structured_outputs is not None:
             grammar = self.structured.compile(params.structured_outputs)
         step = self.scheduler.step_count
-        first = Sequence(request_id, 0, prompt_ids, params, lora_request, step)
+        first = Sequence(request_id, 0, prompt_ids, params, lora_request, step, None, identity)
         seqs = [first] + [
-            Sequence(request_id, i, prompt_ids, params, lora_request, step, parent=first)
+            Sequence(request_id, i, prompt_ids, params, lora_request, step, first, identity)
             for i in range(1, params.n)
         ]
         if grammar is not None:
@@ -106,7 +109,7 @@ class LLMEngine:
         the step fails only the requests it ran (finish_reason "error"), never the engine."""
         out = self.scheduler.schedule()
         result = self._execute(out)
-        self.scheduler.update_from_output(out)
+        self.scheduler.update_from_output(out, result.failed)
         return self.output_processor.process(out, result, self.scheduler)
 
     def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -149,6 +152,10 @@ class LLMEngine:
         self.scheduler.slots.evict(lora_name)
         return self._lora_manager().remove_lora(lora_name)
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block hash (vLLM's name); the number dropped."""
+        return self.block_manager.reset_prefix_cache()
+
     def pin_lora(self, lora_name: str) -> None:
         self._lora_manager().pin_lora(lora_name)
 
@@ -176,6 +183,7 @@ class LLMEngine:
         if self.model_runner.lora_manager is not None:
             lora["loads"] = self.model_runner.lora_manager.num_loads
         in_slots, in_cpu = self.residency()
+        cache = self.block_manager.stats
         return {
             "num_running": len(sched.running),
             "num_waiting": len(sched.waiting),
@@ -185,6 +193,11 @@ class LLMEngine:
             "adapters_in_slots": in_slots,
             "adapters_in_cpu": in_cpu,
             "lora": lora,
+            # prefix caching, in tokens (vLLM's counters): looked up, found; hits / queries
+            "prefix_cache_queries": cache.num_queries,
+            "prefix_cache_hits": cache.num_hits,
+            "prefix_cache_hit_rate": cache.hit_rate,
+            "num_cached_blocks": self.block_manager.num_cached_blocks,
         }
 
 

@@ -87,6 +87,7 @@ class RequestState:
             self.lora_request,
             metrics,
             prompt_logprobs=list(first) if first is not None else None,
+            num_cached_tokens=self.seqs[0].num_cached_tokens,
         )
 
 

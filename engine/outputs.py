@@ -33,3 +33,6 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # The engine failed this request: "<ExceptionType>: <message>"; finish_reason is "error".
     error: str | None = None
+    # Prompt tokens whose KV came from the prefix cache at the request's first admission
+    # (vLLM's field; its first sequence's for n > 1).
+    num_cached_tokens: int = 0

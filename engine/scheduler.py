@@ -10,6 +10,11 @@ Each step:
    skipped and keeps its place; one that does not fit in the KV cache stops admission (so
    a long prompt is not overtaken forever).
 
+Prefix caching (engine/block_manager.py): a waiting sequence with nothing computed (new, a
+fan-out child, or preempted) first takes the prefix cache's hits as computed; the token budget
+counts only the tokens it still computes. Fan-out children wait for their parent's full prompt
+blocks and then find them in the cache (without caching they share them: share_prefix).
+
 LoRA invariant: the distinct adapters among *running* sequences never exceed max_loras, so
 the adapters of any step's batch never do either. Base requests (no adapter) never take a slot.
 
@@ -27,6 +32,7 @@ the rule the same traffic starves the adapter.
 """
 
 from collections import OrderedDict, deque
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -190,14 +196,21 @@ class Scheduler:
                 if blocked:
                     seq.num_slot_skips += 1
                     continue
-            if seq.parent is not None and seq.num_computed_tokens == 0 and not seq.block_table:
-                self._share_parent_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.block_manager.can_allocate(seq, n):
+            computed = None  # the prefix cache's hits, if it was looked up
+            if seq.num_computed_tokens == 0 and not seq.block_table:
+                if self.block_manager.enable_caching:
+                    computed = self._computed_blocks(seq)
+                elif seq.parent is not None:
+                    self._share_parent_prefix(seq)
+            num_hit = len(computed or ()) * self.block_manager.block_size
+            n = min(seq.num_tokens - seq.num_computed_tokens - num_hit, budget)
+            if not self.block_manager.can_allocate(seq, n, computed):
                 if seq.parent is not None and seq.block_table:
                     self.block_manager.deallocate(seq)  # undo the share; retry next step
                 break
-            self.block_manager.allocate(seq, n)
+            self.block_manager.allocate(seq, n, computed)
+            if seq.first_scheduled_step is None:
+                seq.num_cached_tokens = num_hit
             self._add_scheduled(out, seq, n)
             admitted.append(seq)
             budget -= n
@@ -209,6 +222,20 @@ class Scheduler:
             if seq.first_scheduled_step is None:
                 seq.first_scheduled_step = self.step_count
             self.running.append(seq)
+
+    def _computed_blocks(self, seq: Sequence) -> list[int] | None:
+        """The prefix cache's hits for seq; None: no lookup. A sequence computing prompt
+        logprobs needs the logits of every prompt position it has not yet used, so it skips
+        only positions whose logprobs it already holds (after a preemption), like vLLM's
+        skip_reading_prefix_cache for a new one."""
+        limit = None
+        if seq.prompt_logprobs is not None:
+            done = len(seq.prompt_logprobs) - 1  # positions [0, done) already used
+            if done < seq.num_prompt_tokens - 1:
+                if done < self.block_manager.block_size:
+                    return None
+                limit = done
+        return self.block_manager.get_computed_blocks(seq, limit)
 
     def _parent_ready(self, seq: Sequence) -> bool:
         """A fan-out child waits until its parent computed the prompt's full blocks."""
@@ -253,7 +280,11 @@ class Scheduler:
                 out.lora_loads.append((slot, lora))
 
     # -- after the forward ------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput) -> None:
-        """Advance num_computed_tokens for everything that ran (tokens are appended later)."""
+    def update_from_output(self, out: SchedulerOutput, failed: Container[int] = ()) -> None:
+        """Advance num_computed_tokens for everything that ran (tokens are appended later) and
+        put the blocks that are now full into the prefix cache, except those of the sequences
+        in failed (seq_ids): a forward that raised may have left their KV half-written."""
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
+            if s.seq.seq_id not in failed:
+                self.block_manager.cache_full_blocks(s.seq)

@@ -34,7 +34,11 @@ class Sequence:
         lora_request: LoRARequest | None,
         arrival_step: int,
         parent: "Sequence | None" = None,
+        adapter_identity: str | None = None,
     ) -> None:
+        if lora_request is not None and adapter_identity is None:
+            # without it an adapter's blocks would be keyed like the base model's
+            raise ValueError("a sequence with an adapter needs its adapter_identity")
         self.seq_id = next(_seq_counter)
         self.req_id = req_id
         self.index = index  # which of the request's n completions this is
@@ -45,6 +49,11 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.params = params
         self.lora_request = lora_request
+        # Prefix caching: the adapter as loaded (LoRAManager: a content hash of its weights),
+        # part of every block hash; None for the base model.
+        self.adapter_identity = adapter_identity
+        self.block_hashes: list[bytes] = []  # [num full blocks hashed so far], BlockManager's
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
         self.arrival_step = arrival_step
         # Fan-out child: waits until `parent` has computed its full prompt blocks, then shares them.
         self.parent = parent

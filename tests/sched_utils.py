@@ -16,11 +16,12 @@ def create_scheduler(
     max_model_len: int = 512,
     max_loras: int = 2,
     lora_starvation_steps: int = 8,
+    enable_prefix_caching: bool = False,  # off: make_seq gives every sequence the same tokens
 ) -> Scheduler:
     cfg = SchedulerConfig(
         max_num_seqs, max_num_batched_tokens, max_model_len, max_loras, lora_starvation_steps
     )
-    return Scheduler(cfg, BlockManager(num_blocks, block_size))
+    return Scheduler(cfg, BlockManager(num_blocks, block_size, enable_prefix_caching))
 
 
 _LORAS: dict[str, LoRARequest] = {}
@@ -44,6 +45,7 @@ def make_seq(
         SamplingParams(temperature=0, max_tokens=max_tokens),
         lora(adapter),
         sched.step_count,
+        adapter_identity=None if adapter is None else f"weights-of-{adapter}",
     )
     sched.add(seq)
     return seq
