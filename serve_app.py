@@ -78,6 +78,7 @@ ENGINE_ARGS: dict[str, Any] = {
     "lora_dtype": str,
     "lora_starvation_steps": int,
     "enable_lora": _bool,
+    "enable_prefix_caching": _bool,
     "max_n": int,
     "tokenizer": str,
     "dtype": str,
