@@ -3,7 +3,8 @@
 Every metric is a `ray.util.metrics` metric, which Ray's metrics agent exports in Prometheus
 format on each node (`ray start --metrics-export-port=8080`, names prefixed `ray_`): that
 is where the replica-side metrics (TTFT, time per output token, queue lengths, adapter loads,
-activations, evictions, slot hits / misses / hit ratio) are scraped, with a `replica` tag.
+activations, evictions, slot hits / misses / hit ratio, prefix-cache queries / hits in
+tokens) are scraped, with a `replica` tag.
 
 The ingress-side metrics (requests per model and status, latency, TTFT and TPOT as the
 client sees them, tokens out) are also kept in a process-local prometheus_client registry,
@@ -136,6 +137,16 @@ LORA_COUNTERS = {
         "evictions": "Adapters evicted from a slot or the CPU cache.",
         "hits": "Adapter requests scheduled with the adapter already in a slot.",
         "misses": "Adapter requests that needed an activation.",
+    }.items()
+}
+
+
+# vLLM's prefix_cache_queries / prefix_cache_hits, in tokens: hits / queries is the hit rate
+PREFIX_CACHE_COUNTERS = {
+    key: Counter(f"raylora_{key}_total", description=doc, tag_keys=_REPLICA)
+    for key, doc in {
+        "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+        "prefix_cache_hits": "Prompt tokens found in the prefix cache (not computed).",
     }.items()
 }
 

@@ -205,6 +205,8 @@ class ReplicaOutput:
     prompt: str | None = None  # with GenerateRequest.echo
     # one per prompt token (the first one's logprob is None), with sampling.prompt_logprobs
     prompt_logprobs: list[TokenLogprob] | None = None
+    # prompt tokens whose KV came from the replica's prefix cache (RequestOutput's field)
+    num_cached_tokens: int = 0
 
     @property
     def num_new_tokens(self) -> int:

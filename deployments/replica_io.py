@@ -126,6 +126,7 @@ def to_replica_output(
         finished=out.finished,
         prompt=prompt,
         prompt_logprobs=prompt_logprobs,
+        num_cached_tokens=int(getattr(out, "num_cached_tokens", 0) or 0),
     )
 
 

@@ -50,7 +50,7 @@ class ReplicaReporter:
         self.registry = get_registry()
         self._loop = asyncio.get_running_loop()
         self._changed = asyncio.Event()
-        self._last_lora_stats: dict[str, int] = {}
+        self._last_counts: dict[str, int] = {}  # engine counter -> value last exported
         self._task: asyncio.Task | None = None
         engine.add_residency_listener(self._on_residency)
 
@@ -151,12 +151,17 @@ class ReplicaReporter:
         metrics.ADAPTERS_IN_SLOTS.set(len(stats.get("adapters_in_slots", [])), tags=tags)
         metrics.ADAPTERS_IN_CPU.set(len(stats.get("adapters_in_cpu", [])), tags=tags)
         lora = stats.get("lora", {})
-        for key, counter in metrics.LORA_COUNTERS.items():
-            value = int(lora.get(key, 0))
-            delta = value - self._last_lora_stats.get(key, 0)
-            if delta > 0:
-                counter.inc(delta, tags=tags)
-            self._last_lora_stats[key] = value
+        self._advance(metrics.LORA_COUNTERS, lora, tags)
+        self._advance(metrics.PREFIX_CACHE_COUNTERS, stats, tags)
         hits, misses = lora.get("hits", 0), lora.get("misses", 0)
         if hits + misses:
             metrics.SLOT_HIT_RATIO.set(hits / (hits + misses), tags=tags)
+
+    def _advance(self, counters: dict[str, Any], values: dict[str, Any], tags: dict) -> None:
+        """Export the growth of the engine's running totals since the last report."""
+        for key, counter in counters.items():
+            value = int(values.get(key, 0))
+            delta = value - self._last_counts.get(key, 0)
+            if delta > 0:
+                counter.inc(delta, tags=tags)
+            self._last_counts[key] = value

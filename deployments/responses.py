@@ -25,17 +25,19 @@ from deployments.openai_protocol import (
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
+    PromptTokensDetails,
     UsageInfo,
 )
 from deployments.protocol import CompletionDelta, ReplicaOutput, TokenLogprob
 from deployments.tool_calls import ToolCallStream, finish_reason, parse_tool_calls
 
 
-def _usage(num_prompt: int, num_completion: int) -> UsageInfo:
+def _usage(num_prompt: int, num_completion: int, num_cached: int) -> UsageInfo:
     return UsageInfo(
         prompt_tokens=num_prompt,
         completion_tokens=num_completion,
         total_tokens=num_prompt + num_completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
     )
 
 
@@ -98,10 +100,11 @@ def build_completion_response(
     req: CompletionRequest, outs: list[ReplicaOutput], response_id: str
 ) -> CompletionResponse:
     choices = []
-    num_prompt = num_completion = 0
+    num_prompt = num_completion = num_cached = 0
     for i, out in enumerate(outs):
         echo = _Echo(req, out)
         num_prompt += out.num_prompt_tokens
+        num_cached += out.num_cached_tokens
         for o in sorted(out.outputs, key=lambda o: o.index):
             text, logprobs, finish = echo.apply(o)
             num_completion += 0 if echo.only else len(o.token_ids)
@@ -115,7 +118,10 @@ def build_completion_response(
                 )
             )
     return CompletionResponse(
-        id=response_id, model=req.model, choices=choices, usage=_usage(num_prompt, num_completion)
+        id=response_id,
+        model=req.model,
+        choices=choices,
+        usage=_usage(num_prompt, num_completion, num_cached),
     )
 
 
@@ -143,7 +149,7 @@ def build_chat_response(
         id=response_id,
         model=req.model,
         choices=choices,
-        usage=_usage(out.num_prompt_tokens, num_completion),
+        usage=_usage(out.num_prompt_tokens, num_completion, out.num_cached_tokens),
     )
 
 
@@ -156,6 +162,7 @@ class ChunkBuilder:
         self.id = response_id
         self.created = int(time.time())
         self._num_prompt_tokens: dict[int, int] = {}  # prompt index -> its tokens
+        self._num_cached_tokens: dict[int, int] = {}  # prompt index -> its prefix-cache hits
         self.num_completion_tokens = 0
         self._echo: dict[int, _Echo] = {}  # prompt index -> its echo (completions)
         self._started: set[int] = set()  # choice indices that got their first chunk
@@ -174,6 +181,7 @@ class ChunkBuilder:
 
     def chunks(self, item: ReplicaOutput, prompt_index: int = 0) -> list[dict[str, Any]]:
         self._num_prompt_tokens[prompt_index] = item.num_prompt_tokens
+        self._num_cached_tokens[prompt_index] = item.num_cached_tokens
         if not self.chat and prompt_index not in self._echo:
             self._echo[prompt_index] = _Echo(self.req, item)
         out = []
@@ -247,7 +255,8 @@ class ChunkBuilder:
             return None
         chunk = self._chunk([])
         num_prompt = sum(self._num_prompt_tokens.values())
-        chunk["usage"] = _usage(num_prompt, self.num_completion_tokens).model_dump()
+        num_cached = sum(self._num_cached_tokens.values())
+        chunk["usage"] = _usage(num_prompt, self.num_completion_tokens, num_cached).model_dump()
         return chunk
 
 

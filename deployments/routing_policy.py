@@ -158,13 +158,16 @@ def prefix_routing_key(
     prompt: str | None, prompt_token_ids: list[int] | None, messages: list[dict] | None
 ) -> str:
     """The routing key of a base-model request: "prefix:<hash of its first 512 characters>",
-    or "" when the prompt is short. Requests of one tenant (same system prompt) share it, so
+    or "" when the prompt is short (for chat messages, the messages before the last). Requests of one tenant (same system prompt) share it, so
     `rank_replicas(key, ...)` sends them to the same replica within the load bound, where the
     engine's prefix cache holds their KV. Adapter requests need no such key: an adapter's
     requests already share a replica, and the engine never reuses KV across adapters.
     """
     if messages:
-        text = "".join(f"{m.get('role', '')}\x1f{m.get('content', '')}\x1e" for m in messages)
+        # the conversation before its last turn (system prompt, history): what a tenant's
+        # requests share; a short chat would otherwise be keyed on its own user turn
+        shared = messages[:-1] if len(messages) > 1 else messages
+        text = "".join(f"{m.get('role', '')}\x1f{m.get('content', '')}\x1e" for m in shared)
     elif prompt_token_ids:
         if len(prompt_token_ids) < MIN_PREFIX_CHARS // 4:
             return ""

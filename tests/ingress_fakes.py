@@ -41,7 +41,12 @@ class FakeLLM:
             if spec.logprobs is not None:
                 logprobs = [TokenLogprob(w, -0.5, {w: -0.5, "x": -1.5})]
             outs = [CompletionDelta(i, w, [10 + k], logprobs, reason, None) for i in range(spec.n)]
-            items.append(ReplicaOutput(request.request_id, len(PROMPT_TOKENS), outs, last))
+            # the replica found the first prompt token in its prefix cache
+            items.append(
+                ReplicaOutput(
+                    request.request_id, len(PROMPT_TOKENS), outs, last, num_cached_tokens=1
+                )
+            )
         first = items[0]
         if request.echo:
             first.prompt = request.prompt or "".join(PROMPT_TOKENS)

@@ -113,7 +113,12 @@ def test_completion_response_shape_and_request(env):
     assert [c["index"] for c in body["choices"]] == [0, 1]
     assert body["choices"][0]["text"] == "Say hi" + "".join(WORDS)
     assert body["choices"][0]["finish_reason"] == "stop"
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 10, "total_tokens": 12}
+    assert body["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 10,
+        "total_tokens": 12,
+        "prompt_tokens_details": {"cached_tokens": 1},
+    }
     request, _ = llm.requests[-1]
     assert request.prompt == "Say hi" and request.echo
     assert body["id"] == f"cmpl-{request.request_id}"  # the request id is minted once
@@ -209,6 +214,7 @@ def test_streamed_completion(env):
     assert text == "".join(WORDS)
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 1}
 
 
 def test_streamed_chat(env):

@@ -167,3 +167,25 @@ def test_empty_and_single():
     assert [[r.replica_id for r in t] for t in rank_replicas("a", one, rng=random.Random(0))] == [
         ["r0"]
     ]
+
+
+def test_prefix_key_of_a_chat_is_its_conversation_before_the_last_turn():
+    """A chat tenant's requests (one system prompt, other user turns) share a key, even when
+    the system prompt is shorter than the key's 512 characters; another system prompt gets
+    another key; a short conversation, or a short prompt, gets none."""
+    from deployments.routing_policy import prefix_routing_key
+
+    def chat(system: str, user: str) -> list[dict]:
+        return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+    system_a = "You are the billing assistant of ACME Corp. " * 7  # ~300 characters
+    system_b = "You are a pirate who answers every question in rhymes. " * 6
+    keys_a = {prefix_routing_key(None, None, chat(system_a, f"question {i}")) for i in range(5)}
+    key_b = prefix_routing_key(None, None, chat(system_b, "question 0"))
+    assert len(keys_a) == 1 and key_b.startswith("prefix:")
+    key_a = keys_a.pop()
+    assert key_a.startswith("prefix:") and key_a != key_b
+    assert prefix_routing_key(None, None, chat("Be brief.", "x" * 1000)) == ""
+    assert prefix_routing_key(None, None, [{"role": "user", "content": "y" * 600}]) != ""
+    assert prefix_routing_key("short prompt", None, None) == ""
+    assert prefix_routing_key(None, list(range(40)), None) == ""

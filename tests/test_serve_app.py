@@ -313,3 +313,49 @@ def test_unload_is_not_undone_by_a_registry_restart(served, client):
         assert out.choices[0].text is not None
         _error(http.post("/v1/completions", json={"model": "drop", "prompt": "x"}), 404)
         http.post("/v1/unload_lora_adapter", json={"lora_name": "keep"})
+
+
+def test_prefix_cache_hits_reach_usage_and_stats(served, client):
+    """A long prompt sent again, base or adapter, reads its full KV blocks from the replica's
+    prefix cache (the router keeps the prompt's prefix, or the adapter, on one replica):
+    usage.prompt_tokens_details.cached_tokens says how many, on both endpoints, streamed or
+    not, and the output is the same as the uncached first one."""
+    block = ENGINE.get("block_size", 16)
+    system = f"You are a careful assistant, request {uuid.uuid4().hex}. " * 12  # > 256 chars
+    base = client.models.list().data[0].id
+    for model in (base, "a1"):
+        runs = [
+            client.completions.create(
+                model=model, prompt=system + PROMPT, max_tokens=8, temperature=0
+            )
+            for _ in range(3)
+        ]
+        first, *again = runs
+        # a1's first run finds nothing: the base's blocks are not the adapter's
+        assert first.usage.prompt_tokens_details.cached_tokens == 0, model
+        for r in again:
+            cached = r.usage.prompt_tokens_details.cached_tokens
+            assert 0 < cached < r.usage.prompt_tokens and cached % block == 0, (model, cached)
+            assert r.choices[0].text == first.choices[0].text, model
+        messages = [{"role": "system", "content": system}, *CHAT]
+        chats = [
+            list(
+                client.chat.completions.create(
+                    model=model,
+                    messages=messages,
+                    max_tokens=8,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
+            for _ in range(2)
+        ]
+        usage = [c[-1].usage for c in chats]
+        assert usage[0].prompt_tokens_details.cached_tokens == 0, model
+        assert usage[1].prompt_tokens_details.cached_tokens >= block, model
+    stats = replica_stats(APP, want=2)
+    hits = sum(s["prefix_cache_hits"] for s in stats.values())
+    queries = sum(s["prefix_cache_queries"] for s in stats.values())
+    assert 0 < hits < queries
+    assert all(0 <= s["prefix_cache_hit_rate"] <= 1 for s in stats.values())
