@@ -14,6 +14,11 @@ Prefix caching (engine/block_manager.py): a waiting sequence with nothing comput
 fan-out child, or preempted) first takes the prefix cache's hits as computed; the token budget
 counts only the tokens it still computes. Fan-out children wait for their parent's full prompt
 blocks and then find them in the cache (without caching they share them: share_prefix).
+A waiting sequence whose next uncached block a running sequence is computing right now (a
+burst of one tenant's requests: the same system prompt, the same adapter) waits for it
+instead of computing it twice, and keeps its place; the others go past it meanwhile. The
+wait lasts as long as that prefill (the holder is running, so it advances every step; a
+preempted or aborted holder stops being one).
 
 LoRA invariant: the distinct adapters among *running* sequences never exceed max_loras, so
 the adapters of any step's batch never do either. Base requests (no adapter) never take a slot.
@@ -183,6 +188,7 @@ class Scheduler:
         in_use = self.adapters_in_use()
         drain = self._drain_target()
         admitted: list[Sequence] = []
+        inflight = self._inflight_blocks() if self.block_manager.enable_caching else None
         for seq in self.waiting:
             if budget <= 0 or len(self.running) + len(admitted) >= self.config.max_num_seqs:
                 break
@@ -202,6 +208,12 @@ class Scheduler:
                     computed = self._computed_blocks(seq)
                 elif seq.parent is not None:
                     self._share_parent_prefix(seq)
+            if (
+                inflight
+                and computed is not None
+                and self._next_block_inflight(seq, computed, inflight)
+            ):
+                continue
             num_hit = len(computed or ()) * self.block_manager.block_size
             n = min(seq.num_tokens - seq.num_computed_tokens - num_hit, budget)
             if not self.block_manager.can_allocate(seq, n, computed):
@@ -214,6 +226,8 @@ class Scheduler:
             self._add_scheduled(out, seq, n)
             admitted.append(seq)
             budget -= n
+            if inflight is not None:
+                inflight.update(self._uncomputed_prompt_blocks(seq))
             if name is not None:
                 in_use.add(name)
         for seq in admitted:
@@ -222,6 +236,30 @@ class Scheduler:
             if seq.first_scheduled_step is None:
                 seq.first_scheduled_step = self.step_count
             self.running.append(seq)
+
+    def _uncomputed_prompt_blocks(self, seq: Sequence) -> list[bytes]:
+        """Hashes of seq's full prompt blocks it has not computed yet (its prefill to come)."""
+        bs = self.block_manager.block_size
+        num_full = seq.num_prompt_tokens // bs
+        first = seq.num_computed_tokens // bs
+        if first >= num_full:
+            return []
+        return self.block_manager.block_hashes(seq, num_full)[first:]
+
+    def _inflight_blocks(self) -> set[bytes]:
+        """The full prompt blocks running sequences are still prefilling."""
+        out: set[bytes] = set()
+        for seq in self.running:
+            out.update(self._uncomputed_prompt_blocks(seq))
+        return out
+
+    def _next_block_inflight(self, seq: Sequence, computed: list[int], inflight: set) -> bool:
+        """Is the first block seq would compute one a running sequence computes now? (Only
+        blocks the cache could give it: full, and not the one holding its last token.)"""
+        k = len(computed)
+        if seq.parent is not None or k >= (seq.num_tokens - 1) // self.block_manager.block_size:
+            return False
+        return self.block_manager.block_hashes(seq, k + 1)[k] in inflight
 
     def _computed_blocks(self, seq: Sequence) -> list[int] | None:
         """The prefix cache's hits for seq; None: no lookup. A sequence computing prompt

@@ -256,3 +256,43 @@ def test_without_prefix_caching_nothing_is_looked_up():
     assert scheduled(out) == [("b", 16, True)] and b.num_cached_tokens == 0
     bm = sched.block_manager
     assert bm.num_cached_blocks == 0 and bm.stats.num_queries == 0
+
+
+def test_a_burst_computes_a_shared_prefix_once():
+    """Two requests with one system prompt arrive together: the second waits while the first
+    computes the shared blocks (it would compute them too, in the same step), keeps its
+    place, and then finds them; a request of another tenant, or the same prompt under
+    another adapter, goes past it meanwhile. The holder spreads over two steps (chunked
+    prefill): the wait lasts both."""
+    sched = sched_with_cache(max_num_batched_tokens=13)
+    long_system = SYSTEM + list(range(200, 208))  # four full blocks
+    a = add(sched, "a", long_system + [1, 2])  # 18 tokens: 13 now, 5 next step
+    b = add(sched, "b", long_system + [3])  # same tenant
+    c = add(sched, "c", long_system + [4], adapter="x")  # same text, another adapter
+    out = sched.schedule()
+    assert scheduled(out) == [("a", 13, False)]  # budget spent: c could not fit anyway
+    feed(sched, out)
+    out = sched.schedule()
+    # a's last 6 tokens; b still waits for a's 4th block; c has nothing to wait for
+    assert scheduled(out) == [("a", 5, True), ("c", 8, False)]
+    assert b.status == SequenceStatus.WAITING and c.num_cached_tokens == 0
+    feed(sched, out)
+    out = sched.schedule()
+    assert scheduled(out) == [("a", 1, True), ("c", 9, True), ("b", 1, True)]
+    assert b.num_cached_tokens == 16
+    run_to_end(sched)
+    bm = sched.block_manager
+    assert bm.stats.num_hits == 16  # b's four blocks, once; a and c computed theirs
+
+
+def test_the_wait_ends_when_the_holder_is_preempted_or_aborted():
+    """A holder that stops (aborted here; a preempted one leaves `running` the same way)
+    stops being waited for: the waiting request computes the blocks itself."""
+    sched = sched_with_cache(max_num_batched_tokens=8)
+    long_system = SYSTEM + list(range(200, 208))
+    a = add(sched, "a", long_system + [1, 2])
+    b = add(sched, "b", long_system + [3])
+    feed(sched, sched.schedule())  # a: 8 of 18 tokens
+    sched.finish(a, "abort")
+    out = sched.schedule()
+    assert [r for r, *_ in scheduled(out)] == ["b"] and b.num_cached_tokens == 8
