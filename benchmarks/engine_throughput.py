@@ -14,6 +14,13 @@ and output lengths uniform in --output-len, from --seed; every output has exactl
    of min(num_requests, max_num_seqs) sequences, each paired with the bare
    LlamaForCausalLM forward of the same batch (engine/models/llama.py, inputs prepared ahead:
    no scheduler, input building, sampler or detokenizer). Target: step / forward <= 1.3x.
+
+--peer vllm (after `make peer-vllm`): instead of both parts, raylora against vLLM CPU's
+`LLM.generate` on the same workload (and the same warm-up), each in its own process
+(benchmarks/peers/), alternated --alternations times: every run, the median ratio raylora /
+vLLM, start-up and memory after load, greedy agreement. Issue 16's target: >= 1.2x.
+
+    python benchmarks/engine_throughput.py --peer vllm --alternations 3
 """
 
 from __future__ import annotations
@@ -38,8 +45,11 @@ from benchmarks.common import (  # noqa: E402
     verdict,
     vocab_range,
 )
+from benchmarks.peers.compare import add_peer_args, run_against_vllm  # noqa: E402
+from benchmarks.peers.vllm_peer import PeerWorkload  # noqa: E402
 
 THROUGHPUT_TARGET = 2.0  # raylora tok/s over HF generate, at least
+VLLM_TARGET = 1.2  # raylora tok/s over vLLM CPU's, at least (issue 16)
 OVERHEAD_TARGET = 1.3  # engine step over bare forward, at most
 
 
@@ -59,11 +69,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="decode steps timed for the step-vs-forward overhead (0: skip)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    add_peer_args(p)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.peer == "vllm":
+        return against_vllm(args)
     threads = setup_threads(args.threads)
     from engine import EngineConfig, LLMEngine, SamplingParams
 
@@ -147,6 +160,45 @@ def main(argv: list[str] | None = None) -> dict:
         result.update(
             step_ms=t.step_median * 1e3, forward_ms=t.forward_median * 1e3, overhead_ratio=over
         )
+    return result
+
+
+def against_vllm(args: argparse.Namespace) -> dict:
+    """The throughput workload (and warm-up) of main(), run by raylora and by vLLM CPU, each in
+    its own process (benchmarks/peers/); this process only builds the workload."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from engine.models.loader import resolve_model
+
+    path = resolve_model(args.model)
+    vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
+    low, high = vocab_range(AutoTokenizer.from_pretrained(str(path)), vocab_size)
+    work = make_workload(
+        args.num_requests, tuple(args.prompt_len), tuple(args.output_len), low, high, args.seed
+    )
+    warm = make_workload(2, (8, 8), (4, 4), low, high, args.seed + 1)
+    log(f"machine: {machine()}")
+    log(f"model: {path}")
+    log(
+        f"workload: {args.num_requests} requests, prompts {args.prompt_len[0]}-"
+        f"{args.prompt_len[1]} tokens (total {sum(map(len, work.prompts))}), outputs "
+        f"{args.output_len[0]}-{args.output_len[1]} tokens (total {work.num_output_tokens}), "
+        f"seed {args.seed}, max_num_seqs {args.max_num_seqs}"
+    )
+    peer_work = PeerWorkload(
+        model=str(path),
+        prompts=work.prompts,
+        output_lens=work.output_lens,
+        warmup_prompts=warm.prompts,
+        warmup_output_lens=warm.output_lens,
+        max_num_seqs=args.max_num_seqs,
+    )
+    result = run_against_vllm(peer_work, args, "Engine throughput, base model")
+    log(
+        f"ratio raylora / vLLM: {result['ratio']:.2f}x  {verdict(result['ratio'], VLLM_TARGET, True)}"
+    )
     return result
 
 

@@ -22,6 +22,14 @@ temporary folder (or --adapter-dir, kept).
     output lengths, --seed), request i on adapter i % num_adapters, all submitted at once,
     against HF PEFT's mixed-batch `generate(adapter_names=...)` at batch --hf-batch with the
     same adapters loaded into one PeftModel. Target: >= 2.5x.
+
+--peer vllm (after `make peer-vllm`): (b) only, against vLLM CPU's `LLM.generate` with one
+LoRARequest per request (enable_lora, max_loras = max_cpu_loras = --num-adapters, max_lora_rank
+--rank) instead of HF PEFT; raylora and vLLM each in its own process (benchmarks/peers/),
+after the same warm-up (one request per adapter), alternated --alternations times: every
+run, the median ratio, start-up, memory after load, greedy agreement. Issue 16's target: >= 3x.
+
+    python benchmarks/lora_overhead.py --peer vllm --alternations 3
 """
 
 from __future__ import annotations
@@ -52,9 +60,12 @@ from benchmarks.common import (  # noqa: E402
     verdict,
     vocab_range,
 )
+from benchmarks.peers.compare import add_peer_args, run_against_vllm  # noqa: E402
+from benchmarks.peers.vllm_peer import PeerWorkload  # noqa: E402
 
 STEP_TARGET = 1.1  # LoRA decode step over base decode step, at most
 MIXED_TARGET = 2.5  # raylora mixed-adapter tok/s over HF PEFT mixed-batch generate, at least
+VLLM_MIXED_TARGET = 3.0  # raylora mixed-adapter tok/s over vLLM CPU's, at least (issue 16)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -80,6 +91,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="lora_dtype of each LoRA engine of (a); the first also runs (b) (default: auto "
         "bfloat16 on the CPU, auto on CUDA)",
     )
+    add_peer_args(p)
     return p.parse_args(argv)
 
 
@@ -90,7 +102,57 @@ def main(argv: list[str] | None = None) -> dict:
     threads = setup_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="raylora-bench-") as tmp:
         out_dir = Path(args.adapter_dir or tmp)
+        if args.peer == "vllm":
+            return mixed_against_vllm(args, out_dir)
         return run(args, threads, out_dir)
+
+
+def mixed_against_vllm(args: argparse.Namespace, out_dir: Path) -> dict:
+    """(b) against vLLM CPU: the same adapters, workload and warm-up, each engine in its own
+    process (benchmarks/peers/); this process only writes the adapters and the workload."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from engine.models.loader import resolve_model
+
+    n = args.num_adapters
+    path = resolve_model(args.model)
+    paths = make_random_adapters(path, out_dir, n, args.rank, ALL_LINEARS, args.seed)
+    specs = [{"name": p.name, "path": str(p)} for p in paths]
+    vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
+    low, high = vocab_range(AutoTokenizer.from_pretrained(str(path)), vocab_size)
+    work = make_workload(
+        args.num_requests, tuple(args.prompt_len), tuple(args.output_len), low, high, args.seed
+    )
+    warm = make_workload(n, (8, 8), (4, 4), low, high, args.seed + 1)
+    log(f"machine: {machine()}")
+    log(f"model: {path}")
+    log(f"adapters: {n} x rank {args.rank} on {','.join(ALL_LINEARS)} (max_loras {n})")
+    log(
+        f"workload: {args.num_requests} requests (request i on adapter i % {n}), prompts "
+        f"{args.prompt_len[0]}-{args.prompt_len[1]}, outputs {args.output_len[0]}-"
+        f"{args.output_len[1]} ({work.num_output_tokens} tokens), seed {args.seed}"
+    )
+    peer_work = PeerWorkload(
+        model=str(path),
+        prompts=work.prompts,
+        output_lens=work.output_lens,
+        loras=[specs[i % n] for i in range(args.num_requests)],
+        warmup_prompts=warm.prompts,
+        warmup_output_lens=warm.output_lens,
+        warmup_loras=specs,
+        max_num_seqs=max(64, args.batch, args.num_requests),
+        max_loras=n,
+        max_lora_rank=args.rank,
+    )
+    title = f"Mixed-adapter throughput, {n} adapters rank {args.rank}"
+    result = run_against_vllm(peer_work, args, title)
+    log(
+        f"ratio raylora / vLLM: {result['ratio']:.2f}x  "
+        f"{verdict(result['ratio'], VLLM_MIXED_TARGET, True)}"
+    )
+    return result
 
 
 def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
