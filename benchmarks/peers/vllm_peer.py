@@ -146,20 +146,36 @@ def find_libiomp(venv: Path = VENV_VLLM) -> Path | None:
     return None
 
 
+def all_cpus() -> str:
+    """The CPUs this process may run on, as a VLLM_CPU_OMP_THREADS_BIND list ("0-1")."""
+    cpus = sorted(os.sched_getaffinity(0))
+    runs: list[list[int]] = []
+    for c in cpus:
+        if runs and c == runs[-1][-1] + 1:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
 def vllm_cpu_env(
-    venv: Path = VENV_VLLM, kvcache_gib: int = 4, threads_bind: str = "auto"
+    venv: Path = VENV_VLLM, kvcache_gib: int = 1, threads_bind: str = "all"
 ) -> dict[str, str]:
     """vLLM's documented CPU settings, as environment variables for the peer process.
 
-    threads_bind "auto" (vLLM's default): on x86 vLLM keeps one core for its engine-core
-    process and binds the worker's OpenMP threads to the rest (on 2 cores: core 0);
-    "0-1" binds them to both cores. LD_PRELOAD names only the libraries that exist."""
+    kvcache_gib: VLLM_CPU_KVCACHE_SPACE; 1 (GiB, its smallest) is the KV budget raylora's
+    engine has by default (kv_cache_memory_gb=1.0) and holds the benchmarks' workloads.
+    threads_bind: VLLM_CPU_OMP_THREADS_BIND. "all" (resolved here) binds the worker's OpenMP
+    threads to every core this process may use ("0-1" on 2 cores), as raylora computes on
+    every core; vLLM's own default "auto" keeps one core for its engine-core process on x86
+    (on 2 cores the worker computes on core 0 alone). LD_PRELOAD names only the libraries
+    that exist."""
     preload = [str(p) for p in (TCMALLOC, find_libiomp(venv)) if p is not None and p.exists()]
     if os.environ.get("LD_PRELOAD"):
         preload.append(os.environ["LD_PRELOAD"])
     env = {
         "VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib),
-        "VLLM_CPU_OMP_THREADS_BIND": threads_bind,
+        "VLLM_CPU_OMP_THREADS_BIND": all_cpus() if threads_bind == "all" else threads_bind,
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
         "HF_HUB_OFFLINE": "1",
