@@ -266,7 +266,7 @@ def test_a_burst_computes_a_shared_prefix_once():
     prefill): the wait lasts both."""
     sched = sched_with_cache(max_num_batched_tokens=13)
     long_system = SYSTEM + list(range(200, 208))  # four full blocks
-    a = add(sched, "a", long_system + [1, 2])  # 18 tokens: 13 now, 5 next step
+    add(sched, "a", long_system + [1, 2])  # 18 tokens: 13 now, 5 next step
     b = add(sched, "b", long_system + [3])  # same tenant
     c = add(sched, "c", long_system + [4], adapter="x")  # same text, another adapter
     out = sched.schedule()
