@@ -72,4 +72,4 @@ $(VLLM_VENV)/.installed:
 peer-vllm: $(VLLM_VENV)/.installed
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
