@@ -12,7 +12,6 @@ every core) and every request is submitted at once (benchmarks.common.run_engine
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import time
@@ -20,11 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.peers.procstats import memory_mb, process_start_epoch  # noqa: E402
+from benchmarks.peers.procstats import memory_mb  # noqa: E402
 from benchmarks.peers.vllm_peer import (  # noqa: E402
     PeerResult,
-    PeerWorkload,
-    read_workload,
+    runner_args,
     write_result,
 )
 
@@ -44,13 +42,7 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> PeerResult:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("workload", type=Path)
-    p.add_argument("out", type=Path)
-    p.add_argument("--t0", type=float, default=None, help="launch time (epoch seconds)")
-    args = p.parse_args(argv)
-    t0 = args.t0 if args.t0 is not None else process_start_epoch()
-    work: PeerWorkload = read_workload(args.workload)
+    work, out, t0 = runner_args(argv, __doc__.split("\n")[0])
 
     from benchmarks.common import Workload, run_engine, setup_threads
     from engine import EngineConfig, LLMEngine, LoRARequest
@@ -100,7 +92,7 @@ def main(argv: list[str] | None = None) -> PeerResult:
             "lora_backend": str(engine.model_runner.lora_backend),
         },
     )
-    write_result(result, args.out)
+    write_result(result, out)
     print(f"raylora: {res.num_tokens} tokens in {res.seconds:.2f} s = {res.tok_per_s:.1f} tok/s")
     return result
 

@@ -34,7 +34,6 @@ and its children: vLLM's engine core and worker), warm-up and generate wall time
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -42,11 +41,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.peers.procstats import memory_mb, process_start_epoch  # noqa: E402
+from benchmarks.peers.procstats import memory_mb  # noqa: E402
 from benchmarks.peers.vllm_peer import (  # noqa: E402
     PeerResult,
-    PeerWorkload,
-    read_workload,
+    runner_args,
     write_result,
 )
 
@@ -80,13 +78,7 @@ def generate(llm, prompts, output_lens, loras) -> tuple[float, list[list[int]]]:
 
 
 def main(argv: list[str] | None = None) -> PeerResult:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("workload", type=Path)
-    p.add_argument("out", type=Path)
-    p.add_argument("--t0", type=float, default=None, help="launch time (epoch seconds)")
-    args = p.parse_args(argv)
-    t0 = args.t0 if args.t0 is not None else process_start_epoch()
-    work: PeerWorkload = read_workload(args.workload)
+    work, out, t0 = runner_args(argv, __doc__.split("\n")[0])
 
     import vllm
     from vllm import LLM
@@ -143,7 +135,7 @@ def main(argv: list[str] | None = None) -> PeerResult:
         token_ids=token_ids,
         settings=settings,
     )
-    write_result(result, args.out)
+    write_result(result, out)
     print(
         f"vLLM: {num_tokens} tokens in {seconds:.2f} s = {num_tokens / seconds:.1f} tok/s",
         flush=True,

@@ -15,6 +15,7 @@ VLLM_CPU_OMP_THREADS_BIND, and LD_PRELOAD of tcmalloc and of the Intel OpenMP ru
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -100,6 +101,20 @@ def write_workload(work: PeerWorkload, path: Path) -> Path:
 
 def read_workload(path: Path) -> PeerWorkload:
     return PeerWorkload(**json.loads(Path(path).read_text()))
+
+
+def runner_args(argv: list[str] | None, description: str) -> tuple[PeerWorkload, Path, float]:
+    """A runner's command line, WORKLOAD.json OUT.json [--t0 EPOCH] -> (the workload, where
+    its result goes, the launch time: --t0, else this process's start)."""
+    from benchmarks.peers.procstats import process_start_epoch
+
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("workload", type=Path)
+    p.add_argument("out", type=Path)
+    p.add_argument("--t0", type=float, default=None, help="launch time (epoch seconds)")
+    args = p.parse_args(argv)
+    t0 = args.t0 if args.t0 is not None else process_start_epoch()
+    return read_workload(args.workload), args.out, t0
 
 
 def write_result(result: PeerResult, path: Path) -> None:
