@@ -154,8 +154,8 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q / 100 * len(xs) + 0.5) - 1))]  # nearest rank
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """build_workload's arguments (both prefix-cache benchmarks take them), and --seed."""
     p.add_argument("--model", default="default", help="'default' or a local checkpoint folder")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--num-adapters", type=int, default=4, help="adapter tenants (+1 base)")
@@ -163,11 +163,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--system-len", type=int, default=1024, help="system prompt tokens")
     p.add_argument("--user-words", type=int, nargs=2, default=(8, 24), metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_workload_args(p)
     p.add_argument("--alternations", type=int, default=3, help="off/on pairs of runs")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-gb", type=float, default=4.0)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     return p.parse_args(argv)
 

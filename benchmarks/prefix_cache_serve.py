@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ALL_LINEARS, log, machine, make_random_adapters, verdict  # noqa: E402
-from benchmarks.prefix_cache import build_workload, percentile  # noqa: E402
+from benchmarks.prefix_cache import add_workload_args, build_workload, percentile  # noqa: E402
 
 HIT_RATE_TARGET = 0.9  # N-replica affinity hit rate / single-replica hit rate, at least
 APP = "prefix-bench"
@@ -41,17 +41,11 @@ APP = "prefix-bench"
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="default", help="'default' or a local checkpoint folder")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--num-adapters", type=int, default=4, help="adapter tenants (+1 base)")
-    p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--system-len", type=int, default=1024, help="system prompt tokens")
-    p.add_argument("--output-len", type=int, default=32)
+    add_workload_args(p)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     p.add_argument("--alternations", type=int, default=2)
     p.add_argument("--kv-cache-gb", type=float, default=2.0, help="per replica")
-    p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
@@ -97,7 +91,8 @@ async def send_all(url: str, reqs, concurrency: int) -> list[dict]:
         return await asyncio.gather(*(one(http, r) for r in reqs))
 
 
-def run_arm(arm: str, args, url: str, model: str, adapters: dict[str, str], reqs) -> dict:
+def run_arm(arm: str, args, url: str, model: str, adapters: dict[str, str], reqs, warm) -> dict:
+    """One fresh deployment: warm (every adapter once), then reqs; -> the arm's figures."""
     from ray import serve
 
     import serve_app
@@ -123,11 +118,7 @@ def run_arm(arm: str, args, url: str, model: str, adapters: dict[str, str], reqs
     )
     serve.run(app, name=APP, route_prefix="/")
     try:
-        warm = build_workload(  # every adapter once, other system prompts: caches stay cold
-            _tokenizer(model), args.num_adapters + 1, args.num_adapters, 32,
-            output_len=2, seed=args.seed + 1, lora_names=[r for r in adapters],
-        )  # fmt: skip
-        asyncio.run(send_all(url, warm, args.num_adapters + 1))
+        asyncio.run(send_all(url, warm, len(warm)))
         before = replica_stats(APP, num_replicas)
         t0 = time.perf_counter()
         recs = asyncio.run(send_all(url, reqs, args.concurrency))
@@ -185,9 +176,15 @@ def main(argv: list[str] | None = None) -> dict:
                 Path(path), Path(tmp), n, args.rank, ALL_LINEARS, args.seed
             )
             adapters = {f"pc-lora-{t}": str(p) for t, p in enumerate(paths)}
+            tokenizer = _tokenizer(path)
             reqs = build_workload(
-                _tokenizer(path), args.num_requests, n, args.system_len, (8, 24),
+                tokenizer, args.num_requests, n, args.system_len, tuple(args.user_words),
                 args.output_len, args.seed, list(adapters),
+            )  # fmt: skip
+            # every adapter once, with other system prompts: the caches start cold
+            warm = build_workload(
+                tokenizer, n + 1, n, 32, output_len=2, seed=args.seed + 1,
+                lora_names=list(adapters),
             )  # fmt: skip
             log(f"machine: {machine()}")
             log(
@@ -199,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
             results: dict[str, list[dict]] = {a: [] for a in arms}
             for i in range(args.alternations):
                 for arm in arms if i % 2 == 0 else arms[::-1]:
-                    r = run_arm(arm, args, url, path, adapters, reqs)
+                    r = run_arm(arm, args, url, path, adapters, reqs, warm)
                     results[arm].append(r)
                     log(
                         f"  {i + 1} {arm:12s} hit rate {r['hit_rate']:.3f} (replicas "
