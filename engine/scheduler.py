@@ -188,7 +188,8 @@ class Scheduler:
         in_use = self.adapters_in_use()
         drain = self._drain_target()
         admitted: list[Sequence] = []
-        inflight = self._inflight_blocks() if self.block_manager.enable_caching else None
+        caching = self.block_manager.enable_caching and self.waiting
+        inflight = self._inflight_blocks() if caching else None  # not when nothing waits
         for seq in self.waiting:
             if budget <= 0 or len(self.running) + len(admitted) >= self.config.max_num_seqs:
                 break
