@@ -44,6 +44,7 @@ from benchmarks.common import (  # noqa: E402
     setup_threads,
     verdict,
 )
+from benchmarks.peers.compare import add_peer_args  # noqa: E402
 
 TTFT_TARGET = 3.0  # TTFT p50, caching off / on, at least
 THROUGHPUT_TARGET = 1.5  # generated tok/s, caching on / off, at least
@@ -169,7 +170,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_workload_args(p)
-    p.add_argument("--alternations", type=int, default=3, help="off/on pairs of runs")
+    add_peer_args(p)  # --alternations: off/on pairs of runs, or rounds against vLLM
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-gb", type=float, default=4.0)
@@ -181,7 +182,45 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     threads = setup_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="raylora-bench-") as tmp:
+        if args.peer == "vllm":
+            return against_vllm(args, Path(tmp))
         return run(args, threads, Path(tmp))
+
+
+def against_vllm(args: argparse.Namespace, out_dir: Path) -> dict:
+    """The same burst, caching on in both engines (vLLM v1's default, raylora's), raylora
+    against vLLM CPU, each in its own process (benchmarks/peers): throughput and agreement."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.peers.compare import run_against_vllm
+    from benchmarks.peers.vllm_peer import PeerWorkload
+    from engine.models.loader import resolve_model
+
+    path = resolve_model(args.model)
+    n = args.num_adapters
+    paths = make_random_adapters(path, out_dir, n, args.rank, ALL_LINEARS, args.seed)
+    names = [f"pc-lora-{t}" for t in range(n)]
+    specs = {name: {"name": name, "path": str(p)} for name, p in zip(names, paths, strict=True)}
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    reqs = build_workload(
+        tokenizer, args.num_requests, n, args.system_len, tuple(args.user_words),
+        args.output_len, args.seed, names,
+    )  # fmt: skip
+    warm = build_workload(tokenizer, n + 1, n, args.system_len, (4, 4), 2, args.seed + 1, names)
+    work = PeerWorkload(
+        model=str(path),
+        prompts=[r.prompt_token_ids for r in reqs],
+        output_lens=[r.max_tokens for r in reqs],
+        loras=[specs.get(r.lora_name) for r in reqs],
+        warmup_prompts=[r.prompt_token_ids for r in warm],
+        warmup_output_lens=[r.max_tokens for r in warm],
+        warmup_loras=[specs.get(r.lora_name) for r in warm],
+        max_num_seqs=max(64, args.num_requests),
+        max_loras=max(1, n),
+        max_lora_rank=args.rank,
+    )
+    log(f"machine: {machine()}")
+    return run_against_vllm(work, args, f"Prefix-cache burst, {n} adapters + base")
 
 
 def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
