@@ -103,6 +103,12 @@ APP_ARGS: dict[str, tuple[Any, Any, str]] = {
     "load_bound_c": (float, None, "AdapterAffinityRouter's load bound c"),
     "min_load_bound": (int, None, "AdapterAffinityRouter's floor on the load bound (requests)"),
     "routing_stats_period_s": (float, 2.0, "how often routers read replica residency"),
+    "report_multiplexed_ids": (
+        _bool,
+        True,
+        "replicas report their CPU-cache adapters as Serve multiplexed model ids "
+        "(what @serve.multiplexed does; Ray's default router then prefers holders)",
+    ),
     "report_interval_s": (float, 5.0, "how often replicas re-report to the registry"),
     "shutdown_timeout_s": (float, 30.0, "graceful shutdown: wait for in-flight requests"),
     "health_check_period_s": (
@@ -184,6 +190,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         report_interval_s=opts["report_interval_s"],
         shutdown_timeout_s=opts["shutdown_timeout_s"],
         registry_state_file=opts["registry_state_file"],
+        report_multiplexed_ids=opts["report_multiplexed_ids"],
     )
     ingress = serve.deployment(
         serve.ingress()(Ingress),

@@ -7,7 +7,11 @@ catalog (deployments/replica_reporter.py: the AdapterRegistry's listing, plus th
 the app was built with) and read into the engine's CPU cache on first use, in a worker
 thread: streams on this replica go on while an adapter is read from disk or the Hub. The
 engine's own LRU decides what stays in the CPU cache and in the slots; the reporter tells
-the registry and, through `record_routing_stats`, the AdapterAffinityRouter.
+the registry and, through `record_routing_stats`, the AdapterAffinityRouter. With
+`report_multiplexed_ids` (default on) the replica also reports its CPU-cache adapters to Ray
+Serve as its multiplexed model ids, as a `@serve.multiplexed` replica does
+(deployments/multiplexed_ids.py), so Ray's default router prefers replicas that hold the
+adapter too.
 
 Errors leave this replica as `APIError` with the HTTP status. A request the engine fails
 (its step raised) is a 500 for that request only; if the engine loop itself dies,
@@ -25,11 +29,13 @@ import os
 import time
 import uuid
 from collections.abc import AsyncGenerator
+from contextlib import nullcontext
 from typing import Any
 
 from ray import serve
 
 from deployments.grpc_bind import bind_replica_grpc_to_node_ip
+from deployments.multiplexed_ids import MultiplexedIdReporter, push_for_this_replica
 from deployments.protocol import APIError, GenerateRequest, ReplicaOutput
 from deployments.replica_io import (
     RequestMetrics,
@@ -64,6 +70,7 @@ class LLMServer:
         report_interval_s: float = 5.0,
         shutdown_timeout_s: float = 30.0,
         registry_state_file: str | None = None,
+        report_multiplexed_ids: bool = True,
     ) -> None:
         from engine import AsyncLLMEngine, EngineConfig
 
@@ -94,6 +101,13 @@ class LLMServer:
             get_registry=lambda: get_registry_or_none(registry_state_file),
         )
         await self.reporter.start()
+        # Ray's default router reads these; outside Serve there is nobody to tell.
+        push = push_for_this_replica() if report_multiplexed_ids else None
+        self._multiplex: MultiplexedIdReporter | None = None
+        if push is not None:
+            self._multiplex = MultiplexedIdReporter(push)
+            self.engine.add_residency_listener(self._multiplex.on_residency)
+            self._multiplex.start()
 
     # ------------------------------------------------------------------ requests
 
@@ -219,7 +233,9 @@ class LLMServer:
             lock = self._load_locks.setdefault(name, asyncio.Lock())
             async with lock:  # one load per adapter, however many requests wait for it
                 if name not in self.engine.list_loras():
-                    await self.engine.add_lora(lora_request)  # read in a worker thread
+                    loading = self._multiplex.loading(name) if self._multiplex else nullcontext()
+                    with loading:
+                        await self.engine.add_lora(lora_request)  # read in a worker thread
         return lora_request
 
     def _lora_int_id(self, name: str) -> int:
@@ -338,6 +354,8 @@ class LLMServer:
         reporter = getattr(self, "reporter", None)
         if reporter is not None:
             reporter.stop()
+        if getattr(self, "_multiplex", None) is not None:
+            self._multiplex.stop()
         try:
             await asyncio.wait_for(
                 self.engine.shutdown(self._shutdown_timeout_s), self._shutdown_timeout_s + 5
