@@ -35,10 +35,12 @@ import heapq
 import itertools
 import random
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from cluster.sim_replica import Replica, Request, SimConfig
+from cluster.sim_replica import EVICTIONS, Replica, Request, SimConfig
 from cluster.sim_router import POLICIES, Router
+from deployments.placement import AdapterPopularity
+from deployments.routing_policy import DEFAULT_LOAD_BOUND_C, ReplicaView
 
 
 @dataclass
@@ -55,6 +57,7 @@ class SimResult:
     prefix_hit_rate: float  # prompt tokens served from the replicas' prefix caches
     queue_max_over_mean: float  # time-averaged ongoing requests, max replica / mean
     mean_running: float  # time-averaged running requests per replica (batch occupancy)
+    stall_share: float  # of each replica's time, steps held up by adapter loads (mean)
     wall_s: float
     per_replica_served: list[int] = field(default_factory=list)
 
@@ -108,39 +111,72 @@ def slot_load_floor(cfg: SimConfig) -> float:
     return 1000 * (1 - cfg.base_fraction) * (1 - top / sum(weights))
 
 
+ARRIVAL, DONE, WAKE, PUSH, BROADCAST = range(5)  # event kinds, in tie-break order
+
+
 def simulate(policy: str, cfg: SimConfig, *, check: bool = False) -> SimResult:
     """Run one policy over the workload of `cfg` (same seed -> same requests)."""
     t0 = time.perf_counter()
     top = frozenset(_adapter_name(k) for k in range(cfg.num_replicas * cfg.max_loras))
-    replicas = [Replica(f"replica-{i:03d}", cfg, check, top) for i in range(cfg.num_replicas)]
+    # fleet-wide request counts, what a registry fed by every router would hold: read by
+    # the replicas only with popularity eviction
+    fleet = AdapterPopularity()
+    replicas = [
+        Replica(f"replica-{i:03d}", cfg, check, top, fleet.count) for i in range(cfg.num_replicas)
+    ]
     router = Router(policy, replicas, cfg)
-    events: list[tuple[float, int, Request | None, Replica | None]] = []
+    events: list[tuple[float, int, int, Request | None, Replica | None]] = []
     tie = itertools.count()
     arrivals = _workload(cfg)
     done: list[Request] = []
+    push_ms = cfg.residency_push_ms
+
+    def push(t: float, kind: int, req: Request | None, replica: Replica | None) -> None:
+        heapq.heappush(events, (t, next(tie), kind, req, replica))
 
     def push_arrival() -> None:
         req = next(arrivals, None)
         if req is not None:
-            heapq.heappush(events, (req.arrival, next(tie), req, None))
+            push(req.arrival, ARRIVAL, req, None)
 
     def start(replica: Replica, now: float) -> None:
         for req in replica.schedule(now):
-            heapq.heappush(events, (req.finish, next(tie), req, replica))
+            push(req.finish, DONE, req, replica)
 
     push_arrival()
+    if push_ms > 0:
+        for r in replicas:  # the routers start knowing nothing
+            r.published = ReplicaView(r.replica_id, 0, frozenset(), frozenset())
+        push(push_ms, PUSH, None, None)
+    pushed: list[ReplicaView] = [r.view() for r in replicas]
     now = 0.0
     while events:
-        now, _, req, replica = heapq.heappop(events)
-        if replica is None:  # arrival
+        now, _, kind, req, replica = heapq.heappop(events)
+        if kind == ARRIVAL:
+            fleet.record(req.adapter)
             target = router.route(req)
-            target.enqueue(req, now)
+            ready = target.enqueue(req, now)
+            if ready > now:
+                push(ready, WAKE, None, target)
             start(target, now)
             push_arrival()
-        else:  # completion
+        elif kind == DONE:
+            if replica.finish_moved(req):  # a load stalled the step meanwhile
+                push(req.finish, DONE, req, replica)
+                continue
             replica.complete(req, now)
             done.append(req)
             start(replica, now)
+        elif kind == WAKE:  # an adapter read finished: its requests may start
+            start(replica, now)
+        elif kind == PUSH:  # each replica sends its ids; the controller passes them on later
+            pushed = [r.view() for r in replicas]
+            push(now + push_ms / 2, BROADCAST, None, None)
+        else:
+            for r, v in zip(replicas, pushed, strict=True):
+                r.published = v
+            if len(events) > 0:  # keep the clock while there is anything else to do
+                push(now + push_ms / 2, PUSH, None, None)
 
     for r in replicas:
         r._tick(now)
@@ -164,6 +200,7 @@ def simulate(policy: str, cfg: SimConfig, *, check: bool = False) -> SimResult:
         / max(1, sum(r.prompt_tokens_seen for r in replicas)),
         queue_max_over_mean=max(areas) / max(1e-9, sum(areas) / len(areas)),
         mean_running=sum(r.running_area for r in replicas) / max(1e-9, now) / len(replicas),
+        stall_share=sum(r.stall_total for r in replicas) / max(1e-9, now) / len(replicas),
         wall_s=time.perf_counter() - t0,
         per_replica_served=served,
     )
@@ -171,19 +208,19 @@ def simulate(policy: str, cfg: SimConfig, *, check: bool = False) -> SimResult:
 
 def format_table(results: list[SimResult]) -> str:
     head = (
-        f"{'policy':<14}{'loads/1k':>10}{'top/1k':>8}{'cold/1k':>9}{'ttft p50':>10}{'ttft p99':>10}"
+        f"{'policy':<22}{'loads/1k':>10}{'top/1k':>8}{'cold/1k':>9}{'ttft p50':>10}{'ttft p99':>10}"
         f"{'served max/mean':>17}{'prefix hit':>12}{'queue max/mean':>16}{'batch':>7}"
-        f"{'wall s':>8}"
+        f"{'stall':>7}{'wall s':>8}"
     )
     rows = [head, "-" * len(head)]
     for r in results:
         rows.append(
-            f"{r.policy:<14}{r.slot_loads_per_1k:>10.1f}{r.top_slot_loads_per_1k:>8.1f}"
+            f"{r.policy:<22}{r.slot_loads_per_1k:>10.1f}{r.top_slot_loads_per_1k:>8.1f}"
             f"{r.disk_loads_per_1k:>9.1f}"
             f"{r.ttft_p50_ms:>8.0f}ms{r.ttft_p99_ms:>8.0f}ms"
             f"{r.served_max_over_mean:>17.2f}{r.prefix_hit_rate:>12.1%}"
             f"{r.queue_max_over_mean:>16.2f}"
-            f"{r.mean_running:>7.1f}{r.wall_s:>8.1f}"
+            f"{r.mean_running:>7.1f}{r.stall_share:>7.1%}{r.wall_s:>8.1f}"
         )
     return "\n".join(rows)
 
@@ -206,22 +243,17 @@ SERVICE_PRESETS: dict[str, dict[str, float]] = {
 }
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--replicas", type=int, default=16)
-    ap.add_argument("--slots", type=int, default=8, help="max_loras per replica")
+# Where a cold adapter comes from (SimConfig.disk_load_ms): "local-disk" keeps the service
+# preset's figure; "object-storage" is a ~100 MB adapter (r=16, all linears of a 7-8B model in
+# bf16) fetched at ~50 MB/s from S3-class storage, as a fleet without local copies pays.
+COLD_LOAD_PRESETS: dict[str, float | None] = {"local-disk": None, "object-storage": 2000.0}
+
+
+def add_config_args(ap: argparse.ArgumentParser) -> None:
+    """The SimConfig flags, shared with cluster/sim_sweep.py."""
     ap.add_argument("--cpu-loras", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--adapters", type=int, default=1000)
-    ap.add_argument("--zipf", type=float, default=1.1)
-    ap.add_argument("--base-fraction", type=float, default=0.1)
-    ap.add_argument("--requests", type=int, default=50_000)
-    ap.add_argument("--utilization", type=float, default=0.7)
-    ap.add_argument("--load-bound-c", type=float, default=1.25)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--system-prompt-tokens", type=int, default=0, help="per-tenant prefix")
-    ap.add_argument("--base-tenants", type=int, default=4)
-    ap.add_argument("--prefix-cache-tokens", type=int, default=0, help="per replica; 0 = off")
+    ap.add_argument("--load-bound-c", type=float, default=DEFAULT_LOAD_BOUND_C)
     ap.add_argument(
         "--service",
         choices=sorted(SERVICE_PRESETS),
@@ -229,56 +261,95 @@ def main(argv: list[str] | None = None) -> None:
         help="service-time preset: 'cpu-measured' = raylora's engine on SmolLM2-135M on the "
         "2-core CPU (scripts in docs/routing.md); 'gpu-placeholder' = rough GPU-class times",
     )
-    ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--plot", default=None, help="also run the sweep and save this PNG")
-    ap.add_argument("--sweep-requests", type=int, default=20_000)
-    ap.add_argument("--sweep-zipf", default="0.8,1.0,1.1,1.2,1.4")
-    ap.add_argument("--sweep-replicas", default="4,8,16,32")
-    args = ap.parse_args(argv)
-    cfg = SimConfig(
-        num_replicas=args.replicas,
-        max_loras=args.slots,
+    ap.add_argument("--cold-load", choices=sorted(COLD_LOAD_PRESETS), default="local-disk")
+    ap.add_argument("--disk-load-ms", type=float, default=None, help="overrides --cold-load")
+    ap.add_argument(
+        "--sync-disk-loads",
+        action="store_true",
+        help="read cold adapters inside the step, stalling it (vLLM); default: raylora's "
+        "read at arrival in a worker thread",
+    )
+    ap.add_argument("--no-stall", action="store_true", help="slot loads do not stall the step")
+    ap.add_argument("--eviction", choices=EVICTIONS, default="lru")
+    ap.add_argument(
+        "--residency-push-ms",
+        type=float,
+        default=100.0,
+        help="how often replicas push residency (Ray: 100 ms, plus a controller loop); 0 = "
+        "routers know it instantly",
+    )
+
+
+def config_from_args(args: argparse.Namespace, **fields) -> SimConfig:
+    service = dict(SERVICE_PRESETS[args.service])
+    cold = COLD_LOAD_PRESETS[args.cold_load]
+    if args.disk_load_ms is not None:
+        cold = args.disk_load_ms
+    if cold is not None:
+        service["disk_load_ms"] = cold
+    return SimConfig(
         max_cpu_loras=args.cpu_loras,
         max_num_seqs=args.max_num_seqs,
         max_ongoing_requests=2 * args.max_num_seqs,
+        load_bound_c=args.load_bound_c,
+        async_disk_loads=not args.sync_disk_loads,
+        stall_loads=not args.no_stall,
+        eviction=args.eviction,
+        residency_push_ms=args.residency_push_ms,
+        **fields,
+        **service,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--replicas", type=int, default=16)
+    ap.add_argument("--slots", type=int, default=8, help="max_loras per replica")
+    ap.add_argument("--adapters", type=int, default=1000)
+    ap.add_argument("--zipf", type=float, default=1.1)
+    ap.add_argument("--base-fraction", type=float, default=0.1)
+    ap.add_argument("--requests", type=int, default=50_000)
+    ap.add_argument("--utilization", type=float, default=0.7)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--system-prompt-tokens", type=int, default=0, help="per-tenant prefix")
+    ap.add_argument("--base-tenants", type=int, default=4)
+    ap.add_argument("--prefix-cache-tokens", type=int, default=0, help="per replica; 0 = off")
+    add_config_args(ap)
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    args = ap.parse_args(argv)
+    cfg = config_from_args(
+        args,
+        num_replicas=args.replicas,
+        max_loras=args.slots,
         num_adapters=args.adapters,
         zipf_s=args.zipf,
         base_fraction=args.base_fraction,
         num_requests=args.requests,
         utilization=args.utilization,
-        load_bound_c=args.load_bound_c,
         seed=args.seed,
         system_prompt_tokens=args.system_prompt_tokens,
         num_base_tenants=args.base_tenants,
         prefix_cache_tokens=args.prefix_cache_tokens,
-        **SERVICE_PRESETS[args.service],
     )
     policies = [p for p in args.policies.split(",") if p]
     print(
         f"{cfg.num_replicas} replicas x {cfg.max_loras} slots (cpu cache {cfg.max_cpu_loras}, "
         f"max_num_seqs {cfg.max_num_seqs}), {cfg.num_adapters} adapters Zipf({cfg.zipf_s}), "
         f"{cfg.base_fraction:.0%} base, {cfg.num_requests} requests at "
-        f"{cfg.utilization:.0%} utilisation ({1000 * cfg.arrival_rate_per_ms():.0f} req/s)"
+        f"{cfg.utilization:.0%} utilisation ({1000 * cfg.arrival_rate_per_ms():.0f} req/s), "
+        f"cold load {cfg.disk_load_ms:.0f} ms ({'async' if cfg.async_disk_loads else 'in-step'}"
+        f"), slot load {cfg.cpu_load_ms:.0f} ms ({'stalls the step' if cfg.stall_loads else 'async'}"
+        f"), {cfg.eviction} eviction"
     )
     results = [simulate(p, cfg) for p in policies]
     print(format_table(results))
     floor = slot_load_floor(cfg)
-    p2c = next((r for r in results if r.policy == "p2c"), None)
-    vs = f" = {floor / p2c.slot_loads_per_1k:.2f}x p2c's" if p2c and p2c.slot_loads_per_1k else ""
     print(
-        f"slot-load floor for any router: {floor:.1f} loads/1k{vs} (the "
+        f"slot-load floor for any router: {floor:.1f} loads/1k (the "
         f"{cfg.num_replicas * cfg.max_loras} most popular adapters always in slots; top/1k: "
-        "the loads of those, which the floor counts as avoidable)"
+        "the loads of those, which the floor counts as avoidable); per policy, loads / floor: "
+        + ", ".join(f"{r.policy} {r.slot_loads_per_1k / max(floor, 1e-9):.2f}x" for r in results)
     )
-    if args.plot:
-        from cluster.sim_plot import plot, sweep
-
-        zipfs = [float(x) for x in args.sweep_zipf.split(",")]
-        ns = [int(x) for x in args.sweep_replicas.split(",")]
-        scfg = replace(cfg, num_requests=args.sweep_requests)
-        by_zipf, by_n = sweep(scfg, policies, zipfs, ns)
-        plot(args.plot, scfg, policies, zipfs, ns, by_zipf, by_n)
-        print(f"wrote {args.plot}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
 """The simulator's routing policies (cluster/sim.py): raylora's affinity rule (the same
-`rank_replicas` the Serve router runs) and models of the peers' routers.
+`rank_replicas` and `PlacementPlanner` the Serve router runs) and models of the peers' routers.
 
 Each policy returns ranked tiers like Ray's `choose_replicas`; the request goes to the least
 loaded replica of the first tier with one under `max_ongoing_requests`, else to the least
 loaded replica (standing in for Ray's retry with backoff).
+
+Residency reaches the routers as it reaches Ray's: late (`SimConfig.residency_push_ms`,
+`Replica.reported_view`), except for the `*_instant` variants, which see it as it is. Loads
+are always current (Ray's queue-length cache is updated on every send and completion).
 """
 
 from __future__ import annotations
@@ -12,9 +16,19 @@ import itertools
 import random
 
 from cluster.sim_replica import Replica, Request, SimConfig
-from deployments.routing_policy import power_of_two, rank_replicas
+from deployments.placement import PlacementConfig, PlacementPlanner
+from deployments.routing_policy import ReplicaView, power_of_two, rank_replicas
 
-POLICIES = ("affinity", "p2c", "ray_multiplex", "prefix", "round_robin", "random")
+POLICIES = (
+    "affinity",  # placement by popularity + rendezvous hashing with bounded loads
+    "affinity_hash",  # the same without the placement: rendezvous order only
+    "p2c",
+    "ray_multiplex",  # Ray's multiplexed routing, ids learnt as Ray learns them
+    "ray_multiplex_instant",  # the same with instant knowledge of every replica's ids
+    "prefix",
+    "round_robin",
+    "random",
+)
 PREFIX_MATCH_RATE_THRESHOLD = 0.1  # Ray Serve LLM PrefixCacheAffinityRouter's default
 
 
@@ -39,28 +53,42 @@ class Router:
         self.cfg = cfg
         self.rng = random.Random(cfg.seed + 1)
         self.rr = itertools.cycle(replicas)
+        self.instant = policy.endswith("_instant")
+        self.replica_ids = [r.replica_id for r in replicas]
+        self.planner = PlacementPlanner(
+            PlacementConfig(max_loras=cfg.max_loras, load_bound_c=cfg.load_bound_c)
+        )
         # the prefix router's tree, reduced to what it decides on: which replicas it sent
         # each tenant's prefix to, and how much text it sent each replica
         self.routed_tenants: dict[str, set[str]] = {}
         self.routed_tokens: dict[str, int] = {r.replica_id: 0 for r in replicas}
 
+    def _views(self) -> list[ReplicaView]:
+        if self.instant:
+            return [r.view() for r in self.replicas]
+        return [r.reported_view() for r in self.replicas]
+
     def route(self, req: Request) -> Replica:
         reps, rng = self.replicas, self.rng
-        if self.policy == "affinity":
-            views = [r.view() for r in reps]
+        if self.policy in ("affinity", "affinity_hash"):
+            home = None
+            if self.policy == "affinity":
+                self.planner.record(req.adapter)  # the Serve router sees every request too
+                home = self.planner.placement(self.replica_ids).get(req.routing_key)
             ranked = rank_replicas(
                 req.routing_key,
-                views,
+                self._views(),
                 load_bound_c=self.cfg.load_bound_c,
                 min_load_bound=self.cfg.min_load_bound,
                 rng=rng,
+                home=home,
             )
             tiers = [[self.by_id[v.replica_id] for v in t] for t in ranked]
         elif self.policy == "p2c":
             tiers = [
                 [self.by_id[v.replica_id] for v in power_of_two([r.view() for r in reps], rng)[0]]
             ]
-        elif self.policy == "ray_multiplex":
+        elif self.policy.startswith("ray_multiplex"):
             tiers = self._ray_multiplex(req.adapter)
         elif self.policy == "prefix":
             tiers = self._ray_prefix(req)
@@ -79,13 +107,14 @@ class Router:
 
     def _multiplex_candidates(self, adapter: str) -> list[Replica]:
         """Ray's apply_multiplex_routing: the replicas that report the model id (here: the
-        adapter is in their CPU cache), else those with the fewest models."""
+        adapter is in their CPU cache or being read into it), else those with the fewest."""
         reps = self.replicas
-        holders = [r for r in reps if adapter in r.cpu]
+        ids = [v.adapters_in_cpu for v in self._views()]
+        holders = [r for r, held in zip(reps, ids, strict=True) if adapter in held]
         if holders:
             return holders
-        fewest_n = min(len(r.cpu) for r in reps)
-        return [r for r in reps if len(r.cpu) == fewest_n]
+        fewest_n = min(len(held) for held in ids)
+        return [r for r, held in zip(reps, ids, strict=True) if len(held) == fewest_n]
 
     def _ray_multiplex(self, adapter: str) -> list[list[Replica]]:
         """Ray's PowerOfTwoChoicesRequestRouter with a multiplexed model id.
@@ -98,9 +127,10 @@ class Router:
         reps = self.replicas
         if not adapter:
             return [self._two(reps)]
-        fewest_n = min(len(r.cpu) for r in reps)
-        fewest = [r for r in reps if len(r.cpu) == fewest_n]
-        holders = [r for r in reps if adapter in r.cpu]
+        ids = [v.adapters_in_cpu for v in self._views()]
+        fewest_n = min(len(held) for held in ids)
+        fewest = [r for r, held in zip(reps, ids, strict=True) if len(held) == fewest_n]
+        holders = [r for r, held in zip(reps, ids, strict=True) if adapter in held]
         return ([self._two(holders)] if holders else []) + [self._two(fewest), self._two(reps)]
 
     def _ray_prefix(self, req: Request) -> list[list[Replica]]:

@@ -23,10 +23,18 @@ The refresh task starts with the first routed request and stops by itself when R
 down in this process (a driver's router loop outlives `ray.shutdown()`) or when nothing was
 routed for `registry_max_age_s`; the next request starts it again.
 
+Placement (deployments/placement.py): the router counts the requests it routes
+(`on_request_routed`, once per request; base requests count in the total), and every
+`replan_every` requests places the most popular adapters on k replicas each, k from their
+share of that traffic, within the slots the replicas have (`max_loras`: the kwarg, else what
+the replicas report as `routing_stats["max_loras"]`; with neither, no placement and every
+adapter keeps the plain rendezvous rule). A placed adapter is routed to its homes first.
+
 Configure through `request_router_config.request_router_kwargs`, which Ray passes to
 `initialize_state`:
-    load_bound_c (1.25), min_load_bound (4), registry_refresh_s (2.0), registry_max_age_s (30.0),
-    use_registry (True), seed (None).
+    load_bound_c (1.5), min_load_bound (4), registry_refresh_s (2.0), registry_max_age_s (30.0),
+    use_registry (True), seed (None), max_loras (None), use_placement (True),
+    popularity_half_life (20000), replan_every (1000).
 """
 
 from __future__ import annotations
@@ -41,6 +49,12 @@ from typing import Any
 import ray
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from deployments.placement import (
+    DEFAULT_HALF_LIFE,
+    DEFAULT_REPLAN_EVERY,
+    PlacementConfig,
+    PlacementPlanner,
+)
 from deployments.routing_policy import (
     DEFAULT_LOAD_BOUND_C,
     DEFAULT_MIN_LOAD_BOUND,
@@ -91,6 +105,10 @@ class AdapterAffinityRouter(RequestRouter):
         use_registry: bool = True,
         seed: int | None = None,
         fetch_snapshot: SnapshotFetch | None = None,
+        max_loras: int | None = None,
+        use_placement: bool = True,
+        popularity_half_life: int = DEFAULT_HALF_LIFE,
+        replan_every: int = DEFAULT_REPLAN_EVERY,
     ) -> None:
         if load_bound_c < 1.0:
             raise ValueError(f"load_bound_c must be >= 1, got {load_bound_c}")
@@ -100,6 +118,15 @@ class AdapterAffinityRouter(RequestRouter):
         self._registry_max_age_s = float(registry_max_age_s)
         self._use_registry = bool(use_registry)
         self._rng = random.Random(seed)
+        self._max_loras = None if max_loras is None else int(max_loras)
+        self._use_placement = bool(use_placement)
+        self._half_life = int(popularity_half_life)
+        self._replan_every = int(replan_every)
+        # what the placement counts: every routed request (AdapterPopularity); made when the
+        # slot count is known (the kwarg, or the replicas' routing stats)
+        self._planner: PlacementPlanner | None = None
+        if self._use_placement and self._max_loras is not None:
+            self._planner = self._new_planner(self._max_loras)
         # Injectable so tests need no cluster; the clock is RequestRouter's get_curr_time_s.
         self._fetch_snapshot: SnapshotFetch = fetch_snapshot or _fetch_registry_snapshot
         self._snapshot: dict | None = None
@@ -161,6 +188,30 @@ class AdapterAffinityRouter(RequestRouter):
             return {}
         return self._snapshot.get("residency", {})
 
+    # -- placement ----------------------------------------------------------------------
+
+    def _new_planner(self, max_loras: int) -> PlacementPlanner:
+        cfg = PlacementConfig(max_loras=max_loras, load_bound_c=self._load_bound_c)
+        return PlacementPlanner(cfg, half_life=self._half_life, replan_every=self._replan_every)
+
+    def _home(self, adapter_id: str, candidates: list[RunningReplica]) -> tuple[str, ...] | None:
+        """The adapter's placed replicas, or None (not placed, or no placement)."""
+        if not self._use_placement or not adapter_id or adapter_id.startswith("prefix:"):
+            return None
+        if self._planner is None:  # the slot count from the replicas, once one reports it
+            reported = [(r.routing_stats or {}).get("max_loras") for r in candidates]
+            known = [int(m) for m in reported if m]
+            if not known:
+                return None
+            self._planner = self._new_planner(min(known))
+        ids = [r.replica_id.unique_id for r in candidates]
+        return self._planner.placement(ids).get(adapter_id)
+
+    @property
+    def popularity(self):
+        """The request counts the placement uses (None before the slot count is known)."""
+        return None if self._planner is None else self._planner.popularity
+
     # -- views --------------------------------------------------------------------------
 
     def _view(self, replica: RunningReplica, residency: dict[str, dict]) -> ReplicaView:
@@ -218,13 +269,21 @@ class AdapterAffinityRouter(RequestRouter):
             load_bound_c=self._load_bound_c,
             min_load_bound=self._min_load_bound,
             rng=self._rng,
+            home=self._home(adapter_id, candidate_replicas),
         )
         return [[by_id[v.replica_id] for v in tier] for tier in tiers]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
-        """Remember where a base request's prefix went (Ray calls this once routed)."""
+        """Count the request for the placement and remember where a base request's prefix
+        went (Ray calls this once per routed request; choose_replicas may run several
+        times for one)."""
+        adapter_id = ""
+        if pending_request is not None:
+            adapter_id = pending_request.metadata.multiplexed_model_id or ""
+        if self._planner is not None:
+            self._planner.record(adapter_id)
         key = _prefix_key(pending_request) if pending_request is not None else ""
-        if not key or (pending_request.metadata.multiplexed_model_id or ""):
+        if not key or adapter_id:
             return
         holders = self._prefix_holders.pop(key, [])
         rid = replica_id.unique_id

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-DEFAULT_LOAD_BOUND_C = 1.25
+DEFAULT_LOAD_BOUND_C = 1.5  # cluster/sim.py's default configuration: docs/routing.md
 DEFAULT_MIN_LOAD_BOUND = 4  # requests a replica batches before it can count as "full"
 
 
@@ -89,6 +89,7 @@ def rank_replicas(
     load_bound_c: float = DEFAULT_LOAD_BOUND_C,
     min_load_bound: int = DEFAULT_MIN_LOAD_BOUND,
     rng: random.Random,
+    home: Sequence[str] | None = None,
 ) -> list[list[ReplicaView]]:
     """Rank `replicas` for a request for `adapter_id` ("" = base model).
 
@@ -96,8 +97,11 @@ def rank_replicas(
       tier 0: two random replicas, least loaded first (power of two choices);
       tier 1: every other replica, least loaded first.
 
-    Adapter requests: walk the rendezvous order of `adapter_id` over the replicas, with
-    bound B = load_bound(total load, n, c, min_load_bound) (under it if load + 1 <= B):
+    Adapter requests: bound B = load_bound(total load, n, c, min_load_bound); a replica is
+    under it if load + 1 <= B.
+
+    Without `home` (the adapter is not placed, deployments/placement.py), walk the
+    adapter's rendezvous order:
       tier 0: the first replica in that order that has the adapter in a GPU slot and is
               under the bound (no load at all);
       tier 1: the first replica in that order that has it in its CPU cache and is under
@@ -110,6 +114,17 @@ def rank_replicas(
     A hot adapter therefore spreads along its own order, one replica at a time, as its
     holders pass the bound; a cold one stays on its first choice.
 
+    With `home` (the replicas the placement gave the adapter, in its rendezvous order):
+      tier 0: the home replicas under the bound with the adapter in a slot (Ray takes the
+              least loaded of them: the adapter's traffic is balanced over its holders);
+      tier 1: the home replicas under the bound with it in the CPU cache;
+      tier 2: the other home replicas under the bound (where it is loaded next);
+      tier 3: the first replica in rendezvous order outside the home that is under the
+              bound and holds the adapter (slot before CPU cache): a spill that costs no
+              disk load, while there is one;
+      tier 4: the first replica in rendezvous order under the bound (a spill that loads);
+      tier 5: every other replica, least loaded first.
+
     Empty tiers are left out; no replica appears twice.
     """
     if not replicas:
@@ -120,30 +135,40 @@ def rank_replicas(
     by_id = {r.replica_id: r for r in replicas}
     order = rendezvous_order(adapter_id, list(by_id))
     bound = load_bound(sum(r.load for r in replicas), len(replicas), load_bound_c, min_load_bound)
-    in_slots: ReplicaView | None = None
-    in_cpu: ReplicaView | None = None
-    first_free: ReplicaView | None = None
-    for replica_id in order:
-        r = by_id[replica_id]
-        if r.load + 1 > bound:
-            continue
-        if first_free is None:
-            first_free = r
-        if in_cpu is None and adapter_id in r.adapters_in_cpu:
-            in_cpu = r
-        if adapter_id in r.adapters_in_slots:
-            in_slots = r
-            break
-
     tiers: list[list[ReplicaView]] = []
     picked: set[str] = set()
-    for r in (in_slots, in_cpu, first_free):
-        if r is not None and r.replica_id not in picked:
-            tiers.append([r])
-            picked.add(r.replica_id)
-    rest = sorted((r for r in replicas if r.replica_id not in picked), key=lambda r: r.load)
-    if rest:
-        tiers.append(rest)
+
+    def add(tier: list[ReplicaView]) -> None:
+        tier = [r for r in tier if r.replica_id not in picked]
+        if tier:
+            tiers.append(tier)
+            picked.update(r.replica_id for r in tier)
+
+    under = [by_id[i] for i in order if by_id[i].load + 1 <= bound]
+    home_ids = set(home or ())
+    homes = [r for r in under if r.replica_id in home_ids]
+    if homes:
+        add([r for r in homes if adapter_id in r.adapters_in_slots])
+        add([r for r in homes if adapter_id in r.adapters_in_cpu])
+        add(homes)
+        outside = [r for r in under if r.replica_id not in picked]
+        holders = [r for r in outside if adapter_id in r.adapters_in_slots] or [
+            r for r in outside if adapter_id in r.adapters_in_cpu
+        ]
+        add(holders[:1])
+        add(outside[:1])
+    else:
+        first_free = under[0] if under else None
+        in_cpu = next((r for r in under if adapter_id in r.adapters_in_cpu), None)
+        # the walk stops at the first slot holder: CPU holders past it do not count
+        in_slots = next((r for r in under if adapter_id in r.adapters_in_slots), None)
+        if in_slots is not None and in_cpu is not None:
+            if under.index(in_cpu) > under.index(in_slots):
+                in_cpu = None
+        for r in (in_slots, in_cpu, first_free):
+            if r is not None:
+                add([r])
+    add(sorted((r for r in replicas if r.replica_id not in picked), key=lambda r: r.load))
     return tiers
 
 
