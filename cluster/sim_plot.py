@@ -1,51 +1,55 @@
-"""Sweep and plot for cluster/sim.py: slot loads and p99 TTFT against Zipf s and replica count."""
+"""Pareto plot of cluster/sim_sweep.py: slot loads against p99 TTFT for every policy."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from cluster.sim import SimConfig, simulate
-
-
-def sweep(cfg: SimConfig, policies: list[str], zipfs: list[float], replicas: list[int]):
-    by_zipf = {p: [simulate(p, replace(cfg, zipf_s=s)) for s in zipfs] for p in policies}
-    by_n = {p: [simulate(p, replace(cfg, num_replicas=n)) for n in replicas] for p in policies}
-    return by_zipf, by_n
+if TYPE_CHECKING:
+    from cluster.sim_sweep import Run
 
 
-def plot(path: str, cfg: SimConfig, policies, zipfs, replicas, by_zipf, by_n) -> None:
+def plot_pareto(path: str, runs: list[Run], policies: tuple[str, ...]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    panels = [
-        (axes[0][0], zipfs, by_zipf, "slot_loads_per_1k", "Zipf s", "adapter loads / 1k requests"),
-        (axes[0][1], zipfs, by_zipf, "ttft_p99_ms", "Zipf s", "p99 TTFT (ms)"),
-        (
-            axes[1][0],
-            replicas,
-            by_n,
-            "slot_loads_per_1k",
-            "replicas",
-            "adapter loads / 1k requests",
-        ),
-        (axes[1][1], replicas, by_n, "ttft_p99_ms", "replicas", "p99 TTFT (ms)"),
-    ]
-    for ax, xs, data, attr, xlabel, ylabel in panels:
-        for p in policies:
-            ax.plot(xs, [getattr(r, attr) for r in data[p]], marker="o", label=p)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        if attr == "ttft_p99_ms":
-            ax.set_yscale("log")
-    axes[0][0].legend()
+    from cluster.sim_sweep import PEER, TARGETS
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.5))
+    # left: every run of every policy; loads over the run's floor so that points compare
+    for p in policies:
+        xs = [r.results[p].slot_loads_per_1k / max(r.floor, 1e-9) for r in runs]
+        ys = [r.results[p].ttft_p99_ms for r in runs]
+        left.scatter(xs, ys, s=18, alpha=0.7, label=p)
+    left.set_xscale("log")
+    left.set_yscale("log")
+    left.set_xlabel("slot loads / slot_load_floor")
+    left.set_ylabel("p99 TTFT (ms)")
+    left.set_title("every run (point x seed), every policy")
+    left.grid(alpha=0.3, which="both")
+    left.legend(fontsize=8)
+    # right: affinity / peer per run, with the acceptance box
+    judged = [r for r in runs if not r.overloaded()]
+    over = [r for r in runs if r.overloaded()]
+    for group, marker, label in ((judged, "o", "judged"), (over, "x", "overloaded (not judged)")):
+        xs = [r.ratios()["slot"] for r in group]
+        ys = [r.ratios()["p99"] for r in group]
+        right.scatter(xs, ys, marker=marker, s=28, label=label)
+        for r, x, y in zip(group, xs, ys, strict=True):
+            right.annotate(str(r.point), (x, y), fontsize=6, alpha=0.7)
+    right.axvline(TARGETS["slot"], color="k", lw=0.8, ls="--")
+    right.axhline(TARGETS["p99"], color="k", lw=0.8, ls="--")
+    right.set_xlabel(f"slot loads, affinity / {PEER}")
+    right.set_ylabel(f"p99 TTFT, affinity / {PEER}")
+    right.set_yscale("log")
+    right.set_title("target: below and left of the dashed lines")
+    right.grid(alpha=0.3, which="both")
+    right.legend(fontsize=8)
+    n = len({r.point for r in runs})
     fig.suptitle(
-        f"{cfg.num_adapters} adapters, {cfg.max_loras} slots/replica, "
-        f"{cfg.utilization:.0%} utilisation, {cfg.num_requests} requests per point "
-        f"(top: {cfg.num_replicas} replicas; bottom: Zipf {cfg.zipf_s})"
+        f"routing sweep: {n} configurations x {len({r.seed for r in runs})} seeds, "
+        f"{runs[0].cfg.num_requests} requests per run (python -m cluster.sim_sweep)"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -156,7 +156,7 @@ def rank_replicas(
             r for r in outside if adapter_id in r.adapters_in_cpu
         ]
         add(holders[:1])
-        add(outside[:1])
+        add([r for r in outside if r.replica_id not in picked][:1])
     else:
         first_free = under[0] if under else None
         in_cpu = next((r for r in under if adapter_id in r.adapters_in_cpu), None)

@@ -233,3 +233,36 @@ def test_base_requests_with_a_shared_system_prompt_stay_on_one_replica():
     assert spilled != home
     short = Counter(send(f"hi {i}") for i in range(60))  # no prefix: spread
     assert len(short) >= 4
+
+
+def test_placement_counts_routed_requests_and_spreads_a_hot_adapter_over_its_homes():
+    """With max_loras known (the kwarg, or the replicas' routing stats), the router counts
+    what it routes; after a replan, a hot adapter (half the traffic over 6 replicas:
+    k = ceil(0.5 x 6 x 1.25) = 4) has its 4 homes as the first tier (Ray takes the least loaded)."""
+    from deployments.placement import PlacementConfig, plan_placement
+
+    for kwargs, stats in (({"max_loras": 4}, None), ({}, 4)):
+        router = make_router(use_registry=False, replan_every=10, **kwargs)
+        reps = [FakeReplica(i) for i in IDS]
+        if stats:
+            for r in reps:
+                r.routing_stats["max_loras"] = stats
+        first_choice(router, reps, "cold-0")  # learns max_loras from the stats if needed
+        for k in range(40):
+            pending: list = []
+            adapter = "hot" if k % 2 == 0 else f"cold-{k}"
+            route(router, reps, adapter, pending)
+            router.on_request_routed(pending[0], reps[0].replica_id, None)
+        pop = router.popularity
+        assert pop is not None and pop.count("hot") == 20 and pop.total == 40
+        homes = plan_placement(pop.shares(), IDS, PlacementConfig(max_loras=4))["hot"]
+        assert len(homes) == 4
+        tiers = route(router, reps, "hot")  # Ray takes the least loaded in the first tier
+        assert {r.replica_id.unique_id for r in tiers[0]} == set(homes)
+
+
+def test_no_placement_without_a_slot_count():
+    router = make_router(use_registry=False)
+    reps = [FakeReplica(i) for i in IDS]
+    assert first_choice(router, reps, "ad-9") == rendezvous_order("ad-9", IDS)[0]
+    assert router.popularity is None

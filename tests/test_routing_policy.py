@@ -189,3 +189,133 @@ def test_prefix_key_of_a_chat_is_its_conversation_before_the_last_turn():
     assert prefix_routing_key(None, None, [{"role": "user", "content": "y" * 600}]) != ""
     assert prefix_routing_key("short prompt", None, None) == ""
     assert prefix_routing_key(None, list(range(40)), None) == ""
+
+
+# ---- placement (deployments/placement.py) and the home tiers ---------------------------------
+
+
+def ref_rank_home(adapter, replicas, c, min_bound, home):
+    """Brute force of the documented tiers with a home: ids per tier, in order."""
+    n, total = len(replicas), sum(r.load for r in replicas)
+    bound = max(1, min_bound, math.ceil(c * (total + 1) / n))
+    by_id = {r.replica_id: r for r in replicas}
+    under = [by_id[i] for i in ref_order(adapter, list(by_id)) if by_id[i].load + 1 <= bound]
+    homes = [r for r in under if r.replica_id in home]
+    if not homes:
+        return None  # the plain rule applies
+    tiers = [
+        [r for r in homes if adapter in r.adapters_in_slots],
+        [r for r in homes if adapter in r.adapters_in_cpu and adapter not in r.adapters_in_slots],
+        [r for r in homes if adapter not in r.adapters_in_cpu],
+    ]
+    outside = [r for r in under if r.replica_id not in home]
+    holder = [r for r in outside if adapter in r.adapters_in_slots][:1] or [
+        r for r in outside if adapter in r.adapters_in_cpu
+    ][:1]
+    tiers.append(holder)
+    tiers.append([r for r in outside if r not in holder][:1])
+    return [sorted(r.replica_id for r in t) for t in tiers if t]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    loads=st.lists(st.integers(0, 12), min_size=2, max_size=8),
+    slot_mask=st.integers(0, 255),
+    cpu_mask=st.integers(0, 255),
+    home_mask=st.integers(1, 255),
+    c=st.sampled_from([1.0, 1.25, 1.5, 2.0]),
+    min_bound=st.sampled_from([1, 4]),
+)
+def test_rank_with_home_matches_reference(loads, slot_mask, cpu_mask, home_mask, c, min_bound):
+    a = "hot"
+    replicas = [
+        view(
+            f"r{i}",
+            load,
+            slots=[a] if slot_mask >> i & 1 else [],
+            cpu=[a] if (cpu_mask | slot_mask) >> i & 1 else [],
+        )
+        for i, load in enumerate(loads)
+    ]
+    home = {f"r{i}" for i in range(len(loads)) if home_mask >> i & 1}
+    tiers = rank_replicas(
+        a, replicas, load_bound_c=c, min_load_bound=min_bound, rng=random.Random(0), home=home
+    )
+    flat = [r.replica_id for t in tiers for r in t]
+    assert sorted(flat) == sorted(r.replica_id for r in replicas)
+    expected = ref_rank_home(a, replicas, c, min_bound, home)
+    if expected is None:  # no home under the bound: the plain rule, as without a home
+        plain = rank_replicas(
+            a, replicas, load_bound_c=c, min_load_bound=min_bound, rng=random.Random(0)
+        )
+        assert [[r.replica_id for r in t] for t in tiers] == [
+            [r.replica_id for r in t] for t in plain
+        ]
+        return
+    got = [sorted(r.replica_id for r in t) for t in tiers[: len(expected)]]
+    assert got == expected
+    rest = tiers[len(expected) :]
+    assert len(rest) <= 1
+
+
+def test_popularity_decays_by_half_each_half_life():
+    from deployments.placement import AdapterPopularity
+
+    pop = AdapterPopularity(half_life=4)
+    for a in ("x", "x", "", "y"):  # the 4th record halves everything
+        pop.record(a)
+    assert pop.count("x") == 1.0 and pop.count("y") == 0.5 and pop.total == 2.0
+    assert pop.shares() == {"x": 0.5, "y": 0.25}
+    for a in ("x", "x", "x", "x"):
+        pop.record(a)
+    assert pop.count("x") == (1 + 4) / 2 and pop.count("y") == 0.25
+    for _ in range(8):  # two more half-lives: 0.25 -> 0.125, then under 0.25 it is dropped
+        pop.record("x")
+    assert "y" not in pop.counts and pop.total == ((3 + 4) / 2 + 4) / 2
+
+
+def test_replication_factor_by_hand():
+    from deployments.placement import replication_factor
+
+    assert replication_factor(0.16, 16, 1.25) == 4  # 0.16 x 16 x 1.25 = 3.2
+    assert replication_factor(0.05, 16, 1.25) == 1  # exactly 1.0
+    assert replication_factor(0.001, 16, 1.25) == 1
+    assert replication_factor(0.9, 4, 2.0) == 4  # never more than the fleet
+
+
+def test_placement_by_hand():
+    """4 replicas x 4 slots, 1 reserved: 3 placed adapters per replica, 12 in all. 'a' (40%
+    of traffic) gets ceil(0.4 x 4 x 1.25) = 2 replicas, the first two of its own order."""
+    from deployments.placement import PlacementConfig, plan_placement
+
+    ids = ["r0", "r1", "r2", "r3"]
+    shares = {"a": 0.4, "b": 0.1, "c": 0.05, "d": 0.0001}
+    plc = plan_placement(shares, ids, PlacementConfig(max_loras=4))
+    assert plc["a"] == tuple(rendezvous_order("a", ids)[:2])
+    assert len(plc["b"]) == 1 and len(plc["c"]) == 1
+    assert "d" not in plc  # under min_share: the plain rule
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    weights=st.lists(st.floats(0.001, 1.0), min_size=1, max_size=60),
+    n=st.integers(1, 12),
+    max_loras=st.integers(1, 8),
+)
+def test_placement_respects_slots_order_and_popularity(weights, n, max_loras):
+    from deployments.placement import PlacementConfig, plan_placement, replication_factor
+
+    total = sum(weights) / 0.9  # 10% base
+    shares = {f"ad-{i}": w / total for i, w in enumerate(weights)}
+    ids = [f"r{i}" for i in range(n)]
+    cfg = PlacementConfig(max_loras=max_loras)
+    plc = plan_placement(shares, ids, cfg)
+    per_replica = Counter(r for homes in plc.values() for r in homes)
+    assert all(v <= cfg.placed_per_replica() for v in per_replica.values())
+    for a, homes in plc.items():
+        assert len(homes) == replication_factor(shares[a], n, cfg.headroom)
+        order = rendezvous_order(a, ids)
+        assert list(homes) == [r for r in order if r in homes]  # in the adapter's own order
+    # placed adapters are the most popular ones (a prefix of the popularity order)
+    ranked = sorted(shares, key=lambda a: (-shares[a], a))
+    assert ranked[: len(plc)] == sorted(plc, key=lambda a: (-shares[a], a))

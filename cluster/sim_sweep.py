@@ -1,0 +1,207 @@
+"""The routing acceptance sweep (issue 15): every policy over a seeded Latin-hypercube design
+of the configuration space, judged against `ray_multiplex`, with a Pareto plot.
+
+Design: the default configuration (16 x 8 slots, 1,000 adapters Zipf 1.1, 10% base, 70%)
+plus `--points` points of a lattice Latin hypercube over
+    zipf 0.8-1.4, replicas 4-32 (log), slots 4-16, adapters 100-2,000 (log),
+    base share 0-30%, utilisation 0.4-0.8:
+each dimension takes `--points` evenly spaced values from its low end to its high end
+(both ends included), in an order shuffled per dimension by `--design-seed`, so every range
+end is run and every pair of dimensions is spread. Each point runs with two workload seeds.
+A full factorial (even 3 levels: 729 points) does not fit a 2-core machine.
+
+Judging, per run (point x seed), affinity against ray_multiplex as Ray learns residency
+(the real peer): slot loads <= 0.9x, cold loads <= 1.0x, p99 TTFT <= 0.8x, affinity's served
+max/mean <= 1.3, every request completed. A run where every policy is overloaded (p50 TTFT
+over 10x the unloaded time to first token) is reported, not judged. One parameter set for
+the whole sweep: the SimConfig and router defaults.
+
+    python -m cluster.sim_sweep --plot docs/img/routing_pareto.png     # ~10 min on 2 cores
+    python -m cluster.sim_sweep --quick                                # seconds (a test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import time
+from dataclasses import dataclass, replace
+from multiprocessing import get_context
+
+from cluster.sim import SimResult, simulate, slot_load_floor
+from cluster.sim_replica import SimConfig
+
+SWEEP_POLICIES = ("affinity", "affinity_hash", "ray_multiplex", "ray_multiplex_instant", "p2c")
+PEER = "ray_multiplex"
+TARGETS = {"slot": 0.9, "cold": 1.0, "p99": 0.8, "max_mean": 1.3}
+OVERLOAD_P50 = 10.0  # x the unloaded time to first token: capacity, the autoscaler's job
+
+# (field, low, high, log scale, integer)
+DIMENSIONS = (
+    ("zipf_s", 0.8, 1.4, False, False),
+    ("num_replicas", 4, 32, True, True),
+    ("max_loras", 4, 16, False, True),
+    ("num_adapters", 100, 2000, True, True),
+    ("base_fraction", 0.0, 0.3, False, False),
+    ("utilization", 0.4, 0.8, False, False),
+)
+
+
+def design(num_points: int, seed: int) -> list[dict[str, float]]:
+    """Lattice Latin hypercube: per dimension, num_points evenly spaced levels from low to
+    high (ends included), shuffled independently; point i takes level perm[i]."""
+    rng = random.Random(seed)
+    columns: dict[str, list[float]] = {}
+    for name, lo, hi, log, integer in DIMENSIONS:
+        levels = []
+        for i in range(num_points):
+            f = i / max(1, num_points - 1)
+            v = (
+                math.exp(math.log(lo) + f * (math.log(hi) - math.log(lo)))
+                if log
+                else lo + f * (hi - lo)
+            )
+            levels.append(round(v) if integer else round(v, 3))
+        rng.shuffle(levels)
+        columns[name] = levels
+    return [{name: columns[name][i] for name, *_ in DIMENSIONS} for i in range(num_points)]
+
+
+@dataclass
+class Run:
+    point: int
+    seed: int
+    cfg: SimConfig
+    results: dict[str, SimResult]
+    floor: float
+
+    def overloaded(self) -> bool:
+        limit = OVERLOAD_P50 * self.cfg.unloaded_service_ms()
+        return all(r.ttft_p50_ms > limit for r in self.results.values())
+
+    def ratios(self) -> dict[str, float]:
+        a, p = self.results["affinity"], self.results[PEER]
+        return {
+            "slot": a.slot_loads_per_1k / max(p.slot_loads_per_1k, 1e-9),
+            "cold": a.disk_loads_per_1k / max(p.disk_loads_per_1k, 1e-9),
+            "p99": a.ttft_p99_ms / max(p.ttft_p99_ms, 1e-9),
+            "max_mean": a.served_max_over_mean,
+        }
+
+    def misses(self) -> list[str]:
+        out = [k for k, v in self.ratios().items() if v > TARGETS[k]]
+        if any(r.num_completed != self.cfg.num_requests for r in self.results.values()):
+            out.append("incomplete")
+        return out
+
+
+def _run_one(job: tuple[int, int, SimConfig, tuple[str, ...]]) -> Run:
+    point, seed, cfg, policies = job
+    results = {p: simulate(p, cfg) for p in policies}
+    return Run(point, seed, cfg, results, slot_load_floor(cfg))
+
+
+def sweep_configs(
+    base: SimConfig, num_points: int, design_seed: int, seeds: tuple[int, ...]
+) -> list[tuple[int, int, SimConfig]]:
+    points = [{}] + design(num_points, design_seed)  # point 0: the default configuration
+    return [
+        (i, seed, replace(base, seed=seed, **point))
+        for i, point in enumerate(points)
+        for seed in seeds
+    ]
+
+
+def run_sweep(
+    jobs: list[tuple[int, int, SimConfig]], policies: tuple[str, ...], workers: int
+) -> list[Run]:
+    tasks = [(i, s, cfg, policies) for i, s, cfg in jobs]
+    if workers <= 1:
+        return [_run_one(t) for t in tasks]
+    # the longest first (replicas x requests), so the two workers end together
+    tasks.sort(key=lambda t: -t[2].num_replicas * t[2].num_requests)
+    with get_context("spawn").Pool(workers) as pool:
+        runs = pool.map(_run_one, tasks, chunksize=1)
+    return sorted(runs, key=lambda r: (r.point, r.seed))
+
+
+def format_runs(runs: list[Run]) -> str:
+    head = (
+        f"{'pt':>3}{'seed':>5}{'zipf':>6}{'n':>4}{'slots':>6}{'adapters':>9}{'base':>6}"
+        f"{'util':>6}{'floor':>7}  {'aff loads':>9}{'mux loads':>10}{'aff/floor':>10}"
+        f"{'mux/floor':>10}  {'slot':>6}{'cold':>6}{'p99':>6}{'max/mean':>9}  verdict"
+    )
+    rows = [head, "-" * len(head)]
+    for run in runs:
+        c, a, p = run.cfg, run.results["affinity"], run.results[PEER]
+        r = run.ratios()
+        floor = max(run.floor, 1e-9)
+        if run.overloaded():
+            verdict = "overloaded (not judged)"
+        else:
+            verdict = "met" if not run.misses() else "MISSED " + ",".join(run.misses())
+        rows.append(
+            f"{run.point:>3}{run.seed:>5}{c.zipf_s:>6.2f}{c.num_replicas:>4}{c.max_loras:>6}"
+            f"{c.num_adapters:>9}{c.base_fraction:>6.0%}{c.utilization:>6.0%}{run.floor:>7.1f}  "
+            f"{a.slot_loads_per_1k:>9.1f}{p.slot_loads_per_1k:>10.1f}"
+            f"{a.slot_loads_per_1k / floor:>10.2f}{p.slot_loads_per_1k / floor:>10.2f}  "
+            f"{r['slot']:>6.2f}{r['cold']:>6.2f}{r['p99']:>6.2f}{r['max_mean']:>9.2f}  {verdict}"
+        )
+    return "\n".join(rows)
+
+
+def summary(runs: list[Run]) -> str:
+    judged = [r for r in runs if not r.overloaded()]
+    met = [r for r in judged if not r.misses()]
+    counts = {k: sum(1 for r in judged if k in r.misses()) for k in (*TARGETS, "incomplete")}
+    over = sorted({(r.point, r.seed) for r in runs if r.overloaded()})
+    return (
+        f"{len(met)}/{len(judged)} judged runs meet every target; misses per target: "
+        + ", ".join(f"{k} {v}" for k, v in counts.items())
+        + f"; overloaded (not judged): {over or 'none'}"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--points", type=int, default=24)
+    ap.add_argument("--design-seed", type=int, default=15)
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--requests", type=int, default=20_000)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--policies", default=",".join(SWEEP_POLICIES))
+    ap.add_argument("--plot", default=None, help="save the Pareto plot (PNG) here")
+    ap.add_argument("--quick", action="store_true", help="3 points, 1 seed, 1,500 requests")
+    args = ap.parse_args(argv)
+    base = SimConfig(num_requests=args.requests)
+    seeds = tuple(int(s) for s in args.seeds.split(","))
+    points = args.points
+    if args.quick:
+        base = replace(base, num_requests=1500, prompt_tokens=64, output_tokens=16)
+        points, seeds = 2, seeds[:1]
+    policies = tuple(p for p in args.policies.split(",") if p)
+    assert "affinity" in policies and PEER in policies, "the sweep judges affinity against its peer"
+    jobs = sweep_configs(base, points, args.design_seed, seeds)
+    if args.quick:  # keep the test to seconds: at most 8 replicas
+        jobs = [(i, s, replace(c, num_replicas=min(8, c.num_replicas))) for i, s, c in jobs]
+    t0 = time.perf_counter()
+    runs = run_sweep(jobs, policies, args.workers)
+    print(
+        f"{len(jobs)} runs ({points} design points + the default, seeds {list(seeds)}), "
+        f"{base.num_requests} requests each, policies {list(policies)}; ratios are affinity / "
+        f"{PEER} (targets: slot {TARGETS['slot']}, cold {TARGETS['cold']}, p99 {TARGETS['p99']}"
+        f", max/mean {TARGETS['max_mean']}); floor = slot_load_floor"
+    )
+    print(format_runs(runs))
+    print(summary(runs))
+    print(f"wall {time.perf_counter() - t0:.0f} s")
+    if args.plot:
+        from cluster.sim_plot import plot_pareto
+
+        plot_pareto(args.plot, runs, policies)
+        print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
