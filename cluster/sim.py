@@ -7,10 +7,11 @@ get a slot is skipped and keeps its place (oldest admissible request first); if 
 waiting request has waited `starvation_ms` for a slot, the replica drains (admits no adapter
 requests) until a slot frees. Service: a request admitted with b requests running takes
 prefill_tokens * prefill_ms_per_token to its first token, then output_tokens steps of
-decode_ms_per_token * (1 + batch_slowdown * (b - 1)). Loading an adapter into a slot takes
-cpu_load_ms (hit in the CPU cache) or disk_load_ms (cold); requests for that adapter start
-when it is ready. Simplifications: the batch size is fixed at admission; a load delays only
-the requests that need the adapter (vLLM's load stalls the whole step, so real loads cost more).
+decode_ms_per_token * (1 + batch_slowdown * (b - 1)). Adapter loads are modelled as raylora's
+engine does them (cluster/sim_replica.py): the cold read (disk_load_ms) at arrival, off the
+step; the CPU -> slot copy (cpu_load_ms) inside the step, stalling every running request;
+`async_disk_loads=False` reads in the step as vLLM does. Simplification: the batch size (and
+so the step time) is fixed at admission.
 
 With `system_prompt_tokens`, every prompt starts with its tenant's system prompt (a tenant
 per adapter, plus `num_base_tenants` base tenants), and a replica with `prefix_cache_tokens`
@@ -18,13 +19,13 @@ keeps the prefixes it computed (LRU by tenant) and prefills only the rest of a p
 starts with one: the table's "prefix hit" is the share of prompt tokens served that way.
 
 Routing sees exact per-replica load (running + waiting, what Ray's queue-length cache tracks)
-and residency; the policies are in cluster/sim_router.py.
+and residency as Ray's controller broadcasts it, 50-150 ms late (`residency_push_ms`); the
+policies are in cluster/sim_router.py, the acceptance sweep in cluster/sim_sweep.py.
 
 Utilisation = arrival rate / fleet capacity, capacity = n * max_num_seqs / (service time of a
 mean request at a full batch, no adapter loads).
 
-    python -m cluster.sim --replicas 16 --slots 8 --adapters 1000 --zipf 1.1 \
-        --requests 50000 --plot docs/img/routing_sim.png
+    python -m cluster.sim --replicas 16 --slots 8 --adapters 1000 --zipf 1.1 --requests 50000
 """
 
 from __future__ import annotations

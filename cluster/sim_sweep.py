@@ -16,7 +16,7 @@ max/mean <= 1.3, every request completed. A run where every policy is overloaded
 over 10x the unloaded time to first token) is reported, not judged. One parameter set for
 the whole sweep: the SimConfig and router defaults.
 
-    python -m cluster.sim_sweep --plot docs/img/routing_pareto.png     # ~10 min on 2 cores
+    python -m cluster.sim_sweep --plot docs/img/routing_pareto.png     # ~4 min on 2 cores
     python -m cluster.sim_sweep --quick                                # seconds (a test)
 """
 
@@ -126,6 +126,11 @@ def run_sweep(
     return sorted(runs, key=lambda r: (r.point, r.seed))
 
 
+def _vs_floor(loads: float, floor: float) -> str:
+    # a floor under 1 load/1k (every top adapter fits) makes the ratio meaningless
+    return f"{loads / floor:>10.2f}" if floor >= 1.0 else f"{'-':>10}"
+
+
 def format_runs(runs: list[Run]) -> str:
     head = (
         f"{'pt':>3}{'seed':>5}{'zipf':>6}{'n':>4}{'slots':>6}{'adapters':>9}{'base':>6}"
@@ -136,7 +141,6 @@ def format_runs(runs: list[Run]) -> str:
     for run in runs:
         c, a, p = run.cfg, run.results["affinity"], run.results[PEER]
         r = run.ratios()
-        floor = max(run.floor, 1e-9)
         if run.overloaded():
             verdict = "overloaded (not judged)"
         else:
@@ -145,7 +149,7 @@ def format_runs(runs: list[Run]) -> str:
             f"{run.point:>3}{run.seed:>5}{c.zipf_s:>6.2f}{c.num_replicas:>4}{c.max_loras:>6}"
             f"{c.num_adapters:>9}{c.base_fraction:>6.0%}{c.utilization:>6.0%}{run.floor:>7.1f}  "
             f"{a.slot_loads_per_1k:>9.1f}{p.slot_loads_per_1k:>10.1f}"
-            f"{a.slot_loads_per_1k / floor:>10.2f}{p.slot_loads_per_1k / floor:>10.2f}  "
+            f"{_vs_floor(a.slot_loads_per_1k, run.floor)}{_vs_floor(p.slot_loads_per_1k, run.floor)}  "
             f"{r['slot']:>6.2f}{r['cold']:>6.2f}{r['p99']:>6.2f}{r['max_mean']:>9.2f}  {verdict}"
         )
     return "\n".join(rows)
