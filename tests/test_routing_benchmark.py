@@ -1,5 +1,6 @@
-"""benchmarks/routing.py --smoke: both routers on a real local Serve deployment, every
-request completes (the >= 3x load ratio is checked by the full benchmark, not here)."""
+"""benchmarks/routing.py --smoke: the three arms (affinity, Ray's multiplexed-id routing, Ray's
+router without ids) on a real local Serve deployment, every request completes (the bar against
+ray_multiplex is judged by the full benchmark, not on 60 requests)."""
 
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import pytest
 from tests.serve_fixtures import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+ARMS = ["affinity", "ray_multiplex", "pow2_no_multiplex"]
 
 
 def test_routing_benchmark_smoke(tmp_path):
@@ -29,7 +31,10 @@ def test_routing_benchmark_smoke(tmp_path):
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     assert "all requests completed" in out
     rows = [line.split() for line in out.splitlines()]
-    rows = [r for r in rows if r and r[0] in ("affinity", "pow2") and r[1].isdigit()]
-    assert [r[0] for r in rows] == ["affinity", "pow2"]
+    rows = [r for r in rows if r and r[0] in ARMS and r[1].isdigit()]
+    assert [r[0] for r in rows] == ARMS
     assert all(int(r[1]) == 60 for r in rows)  # ok column: every request of the trace
-    assert "pow2 / affinity adapter loads" in out
+    assert "affinity against ray_multiplex" in out
+    verdicts = [line.split()[0] for line in out.splitlines() if line.startswith("  ")]
+    verdicts = [v for v in verdicts if v in ("met", "NOT")]
+    assert len(verdicts) == 3, out[-2000:]  # one per criterion: slot loads, disk loads, p99
