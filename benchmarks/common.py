@@ -279,7 +279,9 @@ def bare_decode_forward(engine, synced: bool = True) -> Callable[[], torch.Tenso
             torch.tensor(slots, dtype=torch.int32, device=dev), engine.config.max_loras
         )
     ctx = ForwardContext(
-        AttentionMetadata.build(specs, runner.block_size, dev), lora, runner.lora_backend
+        AttentionMetadata.build(specs, runner.block_size, dev, runner.decode_attention),
+        lora,
+        runner.lora_backend,
     )
     args = (
         torch.tensor(ids, device=dev),

@@ -9,8 +9,14 @@ padded to the longest. Under GQA the query heads that share a KV head are folded
 query-length dimension (q: [B, Hkv, group, D]) so SDPA does a small matmul, not a
 matrix-vector product per head. Prefill chunks run one SDPA call each (a chunk attends to
 its cached prefix plus itself, causally).
+
+A float32 CPU model with the C++ kernels reads the decode tokens' KV in place instead
+(`raylora_cpu::paged_decode_attention`, kernels/csrc/attention_cpu.cpp: no gather, no
+padding, no mask; one call per layer for every decode token): `AttentionMetadata.build(...,
+decode_kernel=op)` then fills `decode_batch` instead of the buckets.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -37,18 +43,33 @@ class DecodeBucket:
 
 
 @dataclass
+class DecodeBatch:
+    """Every decode token of the batch, for the C++ kernel (read in place)."""
+
+    op: Callable[..., None]  # raylora_cpu::paged_decode_attention
+    rows: torch.Tensor  # [N] int64 rows of these decode tokens in the batch
+    tables: torch.Tensor  # [N, max blocks] int32 block tables, padded with block 0
+    lens: torch.Tensor  # [N] int32 context lengths, the new token included
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
     block_size: int
     prefills: list[PrefillChunk] = field(default_factory=list)
     decodes: list[DecodeBucket] = field(default_factory=list)
+    decode_batch: DecodeBatch | None = None
 
     @staticmethod
     def build(
-        seq_specs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device
+        seq_specs: list[tuple[int, int, list[int]]],
+        block_size: int,
+        device: torch.device,
+        decode_kernel: Callable[..., None] | None = None,
     ) -> "AttentionMetadata":
         """seq_specs: per scheduled sequence (num_computed_tokens, num_new_tokens, block_table),
-        in batch order."""
+        in batch order. decode_kernel: the C++ decode attention (cpu_decode_attention_op) for
+        the decode tokens, or None for the SDPA buckets."""
         slots: list[int] = []
         decodes: list[tuple[int, int, list[int]]] = []  # (row, context length, block table)
         prefills: list[PrefillChunk] = []
@@ -71,8 +92,24 @@ class AttentionMetadata:
             row += n
         md = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), block_size)
         md.prefills = prefills
-        md.decodes = _decode_buckets(decodes, block_size, device)
+        if decode_kernel is not None and decodes:
+            md.decode_batch = _decode_batch(decode_kernel, decodes, block_size)
+        else:
+            md.decodes = _decode_buckets(decodes, block_size, device)
         return md
+
+
+def _decode_batch(
+    op: Callable[..., None], decodes: list[tuple[int, int, list[int]]], block_size: int
+) -> DecodeBatch:
+    width = max(-(-length // block_size) for _, length, _ in decodes)
+    tables = [t[:width] + [0] * (width - min(len(t), width)) for _, _, t in decodes]
+    return DecodeBatch(
+        op=op,
+        rows=torch.tensor([r for r, _, _ in decodes], dtype=torch.long),
+        tables=torch.tensor(tables, dtype=torch.int32),
+        lens=torch.tensor([length for _, length, _ in decodes], dtype=torch.int32),
+    )
 
 
 def _decode_buckets(
@@ -140,6 +177,9 @@ def paged_attention(
                 qc, kc, vc, attn_mask=c.mask, scale=scale, enable_gqa=gqa
             )
         out[rows] = o[0].transpose(0, 1)
+    if md.decode_batch is not None:
+        d = md.decode_batch
+        d.op(q, d.rows, k_cache, v_cache, d.tables, d.lens, bs, scale, out)
     group = num_heads // num_kv_heads
     for b in md.decodes:
         n = b.rows.numel()

@@ -19,7 +19,12 @@ from engine.sampler import Sampler, SampleResult
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from kernels import LoRABatchMeta
-from kernels.cpu_kernel import cpu_lora_op, packed_gemm_fast
+from kernels.cpu_kernel import (
+    cpu_decode_attention_op,
+    cpu_decode_layers_op,
+    cpu_lora_op,
+    packed_gemm_fast,
+)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -106,6 +111,14 @@ class ModelRunner:
             # (first time on this machine) or load them now, not mid-step
             if cpu_lora_op() is not None and packed_gemm_fast():
                 self.model.pack_cpu_weights()
+        # the C++ decode attention (read in place), float32 on the CPU only; else SDPA
+        self.decode_attention = None
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            a = self.args
+            self.decode_attention = cpu_decode_attention_op(a.num_heads, a.num_kv_heads, a.head_dim)
+            fused = cpu_decode_layers_op()
+            if self.decode_attention is not None and self.model.packed_head is not None and fused:
+                self.model.enable_fused_decode(fused)
 
     def _kv_bytes_per_block(self) -> int:
         a = self.args
@@ -165,7 +178,7 @@ class ModelRunner:
                 torch.tensor(token_slots, dtype=torch.int32, device=dev), self.config.max_loras
             )
         ctx = ForwardContext(
-            attn=AttentionMetadata.build(specs, self.block_size, dev),
+            attn=AttentionMetadata.build(specs, self.block_size, dev, self.decode_attention),
             lora=lora_meta,
             lora_backend=self.lora_backend,
         )

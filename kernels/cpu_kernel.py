@@ -1,4 +1,5 @@
-"""raylora's C++ CPU kernels (kernels/csrc/: lora_cpu.cpp, linear_cpu.cpp, packed_cpu.cpp),
+"""raylora's C++ CPU kernels (kernels/csrc/: lora_cpu.cpp, linear_cpu.cpp, packed_cpu.cpp,
+attention_cpu.cpp, decode_cpu.cpp),
 built on first use with torch's cpp_extension (g++ and ninja) and cached on disk; None where
 they cannot be built.
 
@@ -8,6 +9,7 @@ they cannot be built.
     y = cpu_linear_op()(x, weight, bias)                # F.linear, decode batches faster
     y = cpu_linear_packed_op()(x, pw.data, pw.out_features, bias)   # on a PackedWeight
     y = cpu_linear_lora_packed_op()(x, pw.data, pw.out_features, bias, a, b_t, ...)
+    cpu_decode_attention_op(H, Hkv, D)(q, rows, k_cache, v_cache, tables, lens, bs, scale, out)
 (ranks: SlotWeights.ranks, the rows each slot's slices hold, or None for all of them)
 
 The torch path of `lora_linear` uses the LoRA kernel for decode-shaped batches (few tokens per
@@ -39,7 +41,16 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / f for f in ("lora_cpu.cpp", "linear_cpu.cpp", "packed_cpu.cpp")]
+_SOURCES = [
+    _CSRC / f
+    for f in (
+        "lora_cpu.cpp",
+        "linear_cpu.cpp",
+        "packed_cpu.cpp",
+        "attention_cpu.cpp",
+        "decode_cpu.cpp",
+    )
+]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -149,6 +160,27 @@ def cpu_linear_lora_packed_op() -> Callable[..., torch.Tensor] | None:
     linear plus the LoRA of x, one call; None if off."""
     ops = _ops()
     return None if ops is None else ops.linear_lora_packed
+
+
+def cpu_decode_attention_op(
+    num_heads: int, num_kv_heads: int, head_dim: int
+) -> Callable[..., None] | None:
+    """`paged_decode_attention(q, rows, k_cache, v_cache, tables, lens, block_size, scale,
+    out)`: float32 decode attention over the paged KV cache, read in place
+    (csrc/attention_cpu.cpp); None if off or if it has no build for these head counts and
+    head_dim (H / Hkv up to 8; head_dim 64 or 128)."""
+    ops = _ops()
+    if ops is None or not ops.decode_attention_supported(num_heads, num_kv_heads, head_dim):
+        return None
+    return ops.paged_decode_attention
+
+
+def cpu_decode_layers_op() -> Callable[..., torch.Tensor] | None:
+    """`decode_layers(x, cos, sin, weights, biases, k_caches, v_caches, slots, tables, lens,
+    dims, eps, scale)`: every decoder layer of a decode batch without LoRA in one call
+    (csrc/decode_cpu.cpp; packed float32 weights); None if off."""
+    ops = _ops()
+    return None if ops is None else ops.decode_layers
 
 
 def packed_gemm_fast() -> bool:

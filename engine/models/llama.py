@@ -233,10 +233,64 @@ class LlamaForCausalLM(nn.Module):
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
+        if self._fused_decode_applies(ctx, x.shape[0]):
+            x = self._fused_decode(x, cos, sin, ctx)
+        else:
+            for layer in self.layers:
+                x = layer(x, cos, sin, ctx)
         # only the rows that need logits go on: the vocab projection dominates small batches
         return self.norm(x[rows])
+
+    def enable_fused_decode(self, op) -> None:
+        """After pack_cpu_weights: run decode-only batches without LoRA through `op`
+        (kernels.cpu_kernel.cpu_decode_layers_op: every layer in one C++ call, the same
+        kernels; csrc/decode_cpu.cpp says why)."""
+        a = self.args
+        self.fused_decode_op = op
+        self.fused_weights = [
+            w
+            for layer in self.layers
+            for w in (
+                layer.input_layernorm.weight,
+                layer.self_attn.qkv_proj.weight.data,
+                layer.self_attn.o_proj.weight.data,
+                layer.post_attention_layernorm.weight,
+                layer.mlp.gate_up_proj.weight.data,
+                layer.mlp.down_proj.weight.data,
+            )
+        ]
+        self.fused_biases = [layer.self_attn.qkv_proj.bias for layer in self.layers]
+        self.fused_dims = [a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size]
+
+    fused_decode_op = None
+
+    def _fused_decode_applies(self, ctx: ForwardContext, num_tokens: int) -> bool:
+        md = ctx.attn
+        return (
+            self.fused_decode_op is not None
+            and md.decode_batch is not None
+            and not md.prefills
+            and md.decode_batch.rows.numel() == num_tokens
+            and (ctx.lora is None or ctx.lora.no_lora)
+        )
+
+    def _fused_decode(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
+        md, attn = ctx.attn, [layer.self_attn for layer in self.layers]
+        return self.fused_decode_op(
+            x,
+            cos[:, 0].contiguous(),
+            sin[:, 0].contiguous(),
+            self.fused_weights,
+            self.fused_biases,
+            [a.k_cache for a in attn],
+            [a.v_cache for a in attn],
+            md.slot_mapping,
+            md.decode_batch.tables,
+            md.decode_batch.lens,
+            [*self.fused_dims, md.block_size],
+            self.args.rms_norm_eps,
+            attn[0].scale,
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, hidden] from hidden_states -> logits [S, vocab] float32."""

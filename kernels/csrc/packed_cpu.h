@@ -1,4 +1,5 @@
-// raylora's packed-weight CPU GEMM (packed_cpu.cpp), for lora_cpu.cpp's linear_lora_packed.
+// raylora's packed-weight CPU GEMM (packed_cpu.cpp), for lora_cpu.cpp's linear_lora_packed and
+// decode_cpu.cpp's decoder layers.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -18,6 +19,10 @@ const float* check_packed(const at::Tensor& x, const at::Tensor& packed, int64_t
 // y[:, panels p0..p1) = x @ W^T (+ bias) for a checked call; y [T, N] float32, rows contiguous.
 void packed_panels(const at::Tensor& x, const at::Tensor& packed, const float* bias,
                    at::Tensor& y, int64_t p0, int64_t p1);
+
+// y = x @ W^T (+ bias) on a packed weight, the panels split between the threads.
+at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                         const std::optional<at::Tensor>& bias);
 
 // Thread tid's contiguous share [begin, end) of count items (panels, LoRA slots).
 std::pair<int64_t, int64_t> thread_share(int64_t count, int tid, int num_threads);

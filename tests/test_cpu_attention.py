@@ -1,0 +1,133 @@
+"""The C++ CPU decode attention (kernels/csrc/attention_cpu.cpp) against a float64 softmax
+attention over the same paged cache, and the engine with it against HF."""
+
+import pytest
+import torch
+
+from kernels.cpu_kernel import cpu_decode_attention_op
+from tests.test_engine_parity import check_against_hf
+
+BS = 16
+
+
+def _reference(q, k_cache, v_cache, table, length, group):
+    idx = torch.tensor([table[t // BS] * BS + t % BS for t in range(length)])
+    k = k_cache[idx].double().repeat_interleave(group, dim=1)  # [L, H, D], HF's repeat_kv
+    v = v_cache[idx].double().repeat_interleave(group, dim=1)
+    s = torch.einsum("hd,lhd->hl", q.double(), k) * q.shape[-1] ** -0.5
+    return torch.einsum("hl,lhd->hd", s.softmax(-1), v)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 64), (8, 2, 128)])
+def test_decode_attention_matches_float64(heads, kv_heads, head_dim):
+    op = cpu_decode_attention_op(heads, kv_heads, head_dim)
+    if op is None:
+        pytest.skip("the C++ CPU kernels are not built on this machine")
+    g = torch.Generator().manual_seed(0)
+    # lengths around the block (16) and chunk (256) edges, and a multi-chunk context
+    lens = [1, 5, 16, 17, 255, 256, 257, 700]
+    blocks = 64
+    k_cache = torch.randn(blocks * BS, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(blocks * BS, kv_heads, head_dim, generator=g)
+    width = max(-(-n // BS) for n in lens)
+    tables = [torch.randperm(blocks, generator=g)[:width].tolist() for _ in lens]
+    rows = torch.tensor([2 * i + 1 for i in range(len(lens))])  # interleaved with other rows
+    q = torch.randn(2 * len(lens) + 1, heads, head_dim, generator=g)
+    out = torch.full_like(q, 7.0)
+    op(
+        q,
+        rows,
+        k_cache,
+        v_cache,
+        torch.tensor(tables, dtype=torch.int32),
+        torch.tensor(lens, dtype=torch.int32),
+        BS,
+        head_dim**-0.5,
+        out,
+    )
+    for i, n in enumerate(lens):
+        ref = _reference(q[rows[i]], k_cache, v_cache, tables[i], n, heads // kv_heads)
+        torch.testing.assert_close(out[rows[i]].double(), ref, atol=2e-6, rtol=1e-5)
+    others = torch.ones(len(out), dtype=torch.bool)
+    others[rows] = False
+    assert (out[others] == 7.0).all()  # rows that are not decode tokens are left alone
+
+
+@pytest.mark.timeout(120)
+def test_decode_attention_rejects_bad_tables():
+    op = cpu_decode_attention_op(4, 2, 64)
+    if op is None:
+        pytest.skip("the C++ CPU kernels are not built on this machine")
+    cache = torch.zeros(4 * BS, 2, 64)
+    q, out = torch.zeros(1, 4, 64), torch.zeros(1, 4, 64)
+    rows, lens = torch.tensor([0]), torch.tensor([20], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="out of the cache"):
+        table = torch.tensor([[0, 9]], dtype=torch.int32)  # block 9 of 4
+        op(q, rows, cache, cache, table, lens, BS, 0.125, out)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        table = torch.tensor([[0]], dtype=torch.int32)  # 20 positions, one block
+        op(q, rows, cache, cache, table, lens, BS, 0.125, out)
+    assert cpu_decode_attention_op(4, 2, 48) is None  # head_dim without a build: SDPA path
+
+
+@pytest.mark.timeout(300)
+def test_engine_with_decode_attention_matches_hf(tmp_path):
+    """A model whose heads the kernel takes (head_dim 64, 3 query heads per KV head), so that
+    every decode step runs the C++ attention, gives HF's greedy tokens."""
+    from engine import EngineConfig, LLMEngine
+    from tests.model_fixtures import make_tiny_llama
+
+    path = str(
+        make_tiny_llama(
+            tmp_path / "m",
+            hidden_size=96,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=64,
+        )
+    )
+    engine = LLMEngine(
+        EngineConfig(model=path, max_num_batched_tokens=64, block_size=4, enable_lora=False)
+    )
+    if engine.model_runner.decode_attention is None:
+        pytest.skip("the C++ CPU kernels are not built on this machine")
+    from tests.test_engine_parity import PROMPTS
+
+    assert check_against_hf(path, engine, max_tokens=24) >= len(PROMPTS) - 1
+
+
+@pytest.mark.timeout(300)
+def test_fused_decode_layers_match_the_python_layers(tmp_path):
+    """decode_layers (csrc/decode_cpu.cpp, every layer in one call) against the model's own
+    Python layers on the same decode batch: the same logits within float rounding."""
+    import random
+
+    from benchmarks.common import all_decoding, bare_decode_forward
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from tests.model_fixtures import make_tiny_llama
+
+    path = make_tiny_llama(
+        tmp_path / "m", hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=64
+    )
+    engine = LLMEngine(EngineConfig(model=str(path), block_size=4, enable_lora=False))
+    model = engine.model_runner.model
+    if model.fused_decode_op is None:
+        pytest.skip("the C++ CPU kernels are not built on this machine")
+    rng = random.Random(0)
+    for i, n in enumerate((3, 17, 40, 90)):
+        prompt = [rng.randrange(10, 200) for _ in range(n)]
+        params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+    while not all_decoding(engine):
+        engine.step()
+    engine.step()
+    forward = bare_decode_forward(engine)
+    fused = forward()
+    op, model.fused_decode_op = model.fused_decode_op, None
+    try:
+        python = forward()
+    finally:
+        model.fused_decode_op = op
+    torch.testing.assert_close(fused, python, atol=1e-4, rtol=1e-4)
+    assert not torch.equal(fused, torch.zeros_like(fused))
