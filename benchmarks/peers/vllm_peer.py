@@ -222,15 +222,30 @@ def run_peer(
     raylora with this interpreter (.venv)."""
     if engine not in SCRIPTS:
         raise ValueError(f"unknown peer {engine!r}: one of {', '.join(SCRIPTS)}")
+    out_path = Path(out_path)
+    out_path.unlink(missing_ok=True)
+    t0 = time.time()
+    args = [str(workload_path), str(out_path), "--t0", repr(t0)]
+    run_script(engine, SCRIPTS[engine], args, out_path.with_suffix(".log"), timeout_s, env, venv)
+    return read_result(out_path)
+
+
+def run_script(
+    engine: str,
+    script: str,
+    args: list[str],
+    log_path: Path,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+    venv: Path = VENV_VLLM,
+) -> None:
+    """Run this folder's `script` with `args` under the engine's interpreter (vLLM: .venv-vllm's
+    python with vllm_cpu_env() unless env is given; raylora: this one), in its own session,
+    stdout and stderr in log_path; raise PeerError if it fails or outlives timeout_s."""
     python = vllm_python(venv) if engine == "vllm" else Path(sys.executable)
     if engine == "vllm" and env is None:
         env = vllm_cpu_env(venv)
-    out_path = Path(out_path)
-    out_path.unlink(missing_ok=True)
-    log_path = out_path.with_suffix(".log")
-    script = Path(__file__).resolve().parent / SCRIPTS[engine]
-    t0 = time.time()
-    cmd = [str(python), str(script), str(workload_path), str(out_path), "--t0", repr(t0)]
+    cmd = [str(python), str(Path(__file__).resolve().parent / script), *args]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             cmd,
@@ -253,7 +268,6 @@ def run_peer(
             _kill_group(proc)  # what it left behind (vLLM's engine-core and worker processes)
     if rc != 0:
         raise PeerError(f"{engine} peer exited with {rc}; log {log_path}:\n" + _tail(log_path))
-    return read_result(out_path)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
