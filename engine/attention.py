@@ -103,13 +103,17 @@ def _decode_batch(
     op: Callable[..., None], decodes: list[tuple[int, int, list[int]]], block_size: int
 ) -> DecodeBatch:
     width = max(-(-length // block_size) for _, length, _ in decodes)
-    tables = [t[:width] + [0] * (width - min(len(t), width)) for _, _, t in decodes]
     return DecodeBatch(
         op=op,
         rows=torch.tensor([r for r, _, _ in decodes], dtype=torch.long),
-        tables=torch.tensor(tables, dtype=torch.int32),
+        tables=torch.tensor(_padded_tables(decodes, width), dtype=torch.int32),
         lens=torch.tensor([length for _, length, _ in decodes], dtype=torch.int32),
     )
+
+
+def _padded_tables(decodes: list[tuple[int, int, list[int]]], width: int) -> list[list[int]]:
+    """Each decode's block table cut or padded with block 0 to `width` entries."""
+    return [t[:width] + [0] * (width - min(len(t), width)) for _, _, t in decodes]
 
 
 def _decode_buckets(
@@ -124,9 +128,7 @@ def _decode_buckets(
     for i in range(0, len(decodes), size):
         group = decodes[i : i + size]
         max_blocks = -(-group[-1][1] // block_size)  # sorted: the last is the longest
-        tables = [
-            t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks)) for _, _, t in group
-        ]
+        tables = _padded_tables(group, max_blocks)
         lens = torch.tensor([length for _, length, _ in group])
         mask = torch.arange(max_blocks * block_size)[None, :] < lens[:, None]
         buckets.append(

@@ -211,6 +211,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)
         self.packed_head: PackedWeight | None = None  # pack_cpu_weights
+        self.fused_decode_op = None  # enable_fused_decode
         self.register_buffer("inv_freq", rope_inv_freq(a), persistent=False)
 
     def forward(
@@ -261,8 +262,6 @@ class LlamaForCausalLM(nn.Module):
         ]
         self.fused_biases = [layer.self_attn.qkv_proj.bias for layer in self.layers]
         self.fused_dims = [a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size]
-
-    fused_decode_op = None
 
     def _fused_decode_applies(self, ctx: ForwardContext, num_tokens: int) -> bool:
         md = ctx.attn
