@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.metadata import LoRABatchMeta
+from kernels.metadata import LoRABatchMeta, StaticLoRAMeta, static_device_table
 from kernels.torch_ops import lora_expand_torch
 from kernels.utils import (
     HAS_TRITON,
@@ -120,6 +120,67 @@ def _config(meta: LoRABatchMeta, rank: int, max_width: int) -> dict:
     )
 
 
+def _static_config(num_tokens: int, num_slots: int, rank: int, max_width: int) -> dict:
+    """Config of the graph-safe launch: a function of the capture shape only, never of the
+    adapter mix. Tiles sized for an even mix, T / L tokens a slot."""
+    block_m = min(64, max(16, next_power_of_2(cdiv(num_tokens, num_slots))))
+    block_n = 256 if interpret_mode() else (64 if block_m > 16 else 128)
+    block_k = min(64, max(16, next_power_of_2(rank)))
+    return dict(
+        BLOCK_M=block_m, BLOCK_N=min(block_n, max(16, next_power_of_2(max_width))), BLOCK_K=block_k
+    )
+
+
+def _launch(
+    grid: tuple[int, int, int],
+    cfg: dict,
+    buf: torch.Tensor,
+    lora_b: Sequence[torch.Tensor],
+    table: torch.Tensor,
+    meta: LoRABatchMeta | StaticLoRAMeta,
+    y: torch.Tensor,
+    add_inputs: bool,
+    ranks: torch.Tensor | None,
+) -> None:
+    b0 = lora_b[0]
+    _kernel[grid](
+        buf,
+        table[0],
+        y,
+        meta.sorted_token_ids,
+        meta.num_tokens_per_slot,
+        meta.slot_starts,
+        meta.active_slots,
+        table[1],
+        table[2],
+        table[3],
+        meta.active_slots if ranks is None else ranks,  # (unread without ranks)
+        buf.shape[2],
+        max(b.shape[1] for b in lora_b),
+        buf.stride(0),
+        buf.stride(1),
+        buf.stride(2),
+        b0.stride(1),
+        b0.stride(2),
+        y.stride(0),
+        y.stride(1),
+        ADD_INPUTS=add_inputs,
+        DOT_FP32=dot_in_fp32(b0.dtype),
+        HAS_RANKS=ranks is not None,
+        **cfg,
+    )
+
+
+def _table_rows(lora_b: Sequence[torch.Tensor], offsets: Sequence[int]) -> list[list[int]]:
+    # per slice: weight data_ptr, width H_out_s, first column in y, stride(0)
+    return [
+        [b.data_ptr() for b in lora_b],
+        [b.shape[1] for b in lora_b],
+        list(offsets),
+        [b.stride(0) for b in lora_b],
+    ]
+
+
 def lora_expand_triton(
     buf: torch.Tensor,
     lora_b: Sequence[torch.Tensor],
@@ -138,50 +199,53 @@ def lora_expand_triton(
         f"backend='triton' needs y dtype {y.dtype} == lora_b dtype {lora_b[0].dtype}"
     )
     rank = buf.shape[2]
-    widths = [b.shape[1] for b in lora_b]
-    cfg = _config(meta, rank, max(widths))
+    max_width = max(b.shape[1] for b in lora_b)
+    cfg = _config(meta, rank, max_width)
     cfg.update(config or {})
-    table = device_table(
-        [[b.data_ptr() for b in lora_b], widths, offsets, [b.stride(0) for b in lora_b]], y.device
-    )
+    table = device_table(_table_rows(lora_b, offsets), y.device)
     grid = (
-        cdiv(meta.max_tokens_per_slot, cfg["BLOCK_M"]) * cdiv(max(widths), cfg["BLOCK_N"]),
+        cdiv(meta.max_tokens_per_slot, cfg["BLOCK_M"]) * cdiv(max_width, cfg["BLOCK_N"]),
         len(lora_b),
         meta.num_active_slots,
     )
-    b0 = lora_b[0]
-    _kernel[grid](
-        buf,
-        table[0],
-        y,
-        meta.sorted_token_ids,
-        meta.num_tokens_per_slot,
-        meta.slot_starts,
-        meta.active_slots,
-        table[1],
-        table[2],
-        table[3],
-        meta.active_slots if ranks is None else ranks,  # (unread without ranks)
-        rank,
-        max(widths),
-        buf.stride(0),
-        buf.stride(1),
-        buf.stride(2),
-        b0.stride(1),
-        b0.stride(2),
-        y.stride(0),
-        y.stride(1),
-        ADD_INPUTS=add_inputs,
-        DOT_FP32=dot_in_fp32(b0.dtype),
-        HAS_RANKS=ranks is not None,
-        **cfg,
+    _launch(grid, cfg, buf, lora_b, table, meta, y, add_inputs, ranks)
+
+
+def lora_expand_static(
+    buf: torch.Tensor,
+    lora_b: Sequence[torch.Tensor],
+    meta: StaticLoRAMeta,
+    y: torch.Tensor,
+    offsets: Sequence[int],
+    add_inputs: bool,
+    config: dict | None = None,
+    ranks: torch.Tensor | None = None,
+) -> None:
+    """Graph-safe Triton path of `lora_expand` (arguments already checked): the same kernel
+    over a fixed grid, (cdiv(T, BLOCK_M) * n tiles of the widest slice, S, L), every program
+    reading its slot's token count and start on the device and exiting when it has no tokens
+    there. No host sync, no per-step host values. `config` overrides the tiles (tests)."""
+    assert y.dtype == lora_b[0].dtype, (
+        f"backend='triton' needs y dtype {y.dtype} == lora_b dtype {lora_b[0].dtype}"
     )
+    num_slots = lora_b[0].shape[0]
+    assert num_slots == meta.max_loras, f"lora_b has {num_slots} slots, meta {meta.max_loras}"
+    max_width = max(b.shape[1] for b in lora_b)
+    cfg = _static_config(meta.num_tokens, num_slots, buf.shape[2], max_width)
+    cfg.update(config or {})
+    table = static_device_table(_table_rows(lora_b, offsets), y.device)
+    grid = (
+        cdiv(meta.num_tokens, cfg["BLOCK_M"]) * cdiv(max_width, cfg["BLOCK_N"]),
+        len(lora_b),
+        num_slots,
+    )
+    _launch(grid, cfg, buf, lora_b, table, meta, y, add_inputs, ranks)
 
 
 def lora_expand(
     buf: torch.Tensor,
     lora_b: Sequence[torch.Tensor],
-    meta: LoRABatchMeta,
+    meta: LoRABatchMeta | StaticLoRAMeta,
     y: torch.Tensor,
     offsets: Sequence[int] | None = None,
     add_inputs: bool = True,
@@ -205,7 +269,9 @@ def lora_expand(
             (contiguous, or views of one packed tensor: SlotWeights.lora_b); H_out_s may
             differ per slice (q/k/v under GQA: 576, 192, 192). Scaling alpha / r is
             folded in by the caller.
-        meta: `LoRABatchMeta.build(token_slots, L)`, built once per step.
+        meta: `LoRABatchMeta.build(token_slots, L)`, built once per step; or a
+            `StaticLoRAMeta` (CUDA graphs: T padded, updated in place; Triton only), which
+            takes the graph-safe launch `lora_expand_static`.
         y: [T, H_out] fp16/bf16/fp32, rows contiguous (the base layer's output);
             the Triton path wants y.dtype == lora_b dtype.
         offsets: first column of each slice in y; None = cumulative widths (then
@@ -220,6 +286,12 @@ def lora_expand(
     With `meta.no_lora` nothing is launched and y is untouched.
     """
     offsets = check_expand_args(buf, lora_b, meta, y, offsets)
+    if isinstance(meta, StaticLoRAMeta):
+        assert resolve_backend(backend, y) == "triton", (
+            "a StaticLoRAMeta is for the Triton kernels; the torch path takes LoRABatchMeta"
+        )
+        lora_expand_static(buf, lora_b, meta, y, offsets, add_inputs, ranks=ranks)
+        return
     if meta.no_lora:
         return
     if resolve_backend(backend, y) == "triton":

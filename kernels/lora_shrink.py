@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.metadata import LoRABatchMeta
+from kernels.metadata import LoRABatchMeta, StaticLoRAMeta, static_device_table
 from kernels.torch_ops import lora_shrink_torch
 from kernels.utils import (
     HAS_TRITON,
@@ -138,6 +138,72 @@ def _config(
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k)
 
 
+def _static_config(
+    num_tokens: int,
+    num_slots: int,
+    num_slices: int,
+    rank: int,
+    hidden_in: int,
+    dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    device,
+) -> dict:
+    """Config of the graph-safe launch: a function of the capture shape only, never of the
+    adapter mix (a graph replays it for every mix). Tiles sized for an even mix, T / L tokens a
+    slot. Split-K when few tiles would fill the GPU and out is fp32 (atomics need it)."""
+    block_m = min(64, max(16, next_power_of_2(cdiv(num_tokens, num_slots))))
+    block_n = min(64, max(16, next_power_of_2(rank)))
+    block_k = 256 if block_m <= 32 else 128
+    if dot_in_fp32(dtype):
+        block_k //= 2
+    split_k = 1
+    if not interpret_mode() and out_dtype == torch.float32:
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        # tiles with work: about cdiv(T, BLOCK_M) m tiles over all slots together
+        programs = cdiv(num_tokens, block_m) * cdiv(rank, block_n) * num_slices
+        num_k = cdiv(hidden_in, block_k)
+        split_k = max(1, min(num_k, 32, next_power_of_2(2 * num_sms // max(1, programs))))
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k)
+
+
+def _launch(
+    grid: tuple[int, int, int],
+    cfg: dict,
+    x: torch.Tensor,
+    lora_a: Sequence[torch.Tensor],
+    a_ptrs: torch.Tensor,
+    meta: LoRABatchMeta | StaticLoRAMeta,
+    scale: float,
+    out: torch.Tensor,
+    ranks: torch.Tensor | None,
+) -> None:
+    a0 = lora_a[0]
+    _kernel[grid](
+        x,
+        a_ptrs,
+        out,
+        meta.sorted_token_ids,
+        meta.num_tokens_per_slot,
+        meta.slot_starts,
+        meta.active_slots,
+        meta.active_slots if ranks is None else ranks,  # (unread without ranks)
+        a0.shape[1],
+        a0.shape[2],
+        x.stride(0),
+        x.stride(1),
+        a0.stride(0),
+        a0.stride(1),
+        a0.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        float(scale),
+        DOT_FP32=dot_in_fp32(x.dtype),
+        HAS_RANKS=ranks is not None,
+        **cfg,
+    )
+
+
 def lora_shrink_triton(
     x: torch.Tensor,
     lora_a: Sequence[torch.Tensor],
@@ -169,38 +235,48 @@ def lora_shrink_triton(
         len(lora_a),
         meta.num_active_slots,
     )
-    a0 = lora_a[0]
-    _kernel[grid](
-        x,
-        a_ptrs,
-        out,
-        meta.sorted_token_ids,
-        meta.num_tokens_per_slot,
-        meta.slot_starts,
-        meta.active_slots,
-        meta.active_slots if ranks is None else ranks,  # (unread without ranks)
-        rank,
-        hidden_in,
-        x.stride(0),
-        x.stride(1),
-        a0.stride(0),
-        a0.stride(1),
-        a0.stride(2),
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        float(scale),
-        DOT_FP32=dot_in_fp32(x.dtype),
-        HAS_RANKS=ranks is not None,
-        **cfg,
+    _launch(grid, cfg, x, lora_a, a_ptrs, meta, scale, out, ranks)
+    return out
+
+
+def lora_shrink_static(
+    x: torch.Tensor,
+    lora_a: Sequence[torch.Tensor],
+    meta: StaticLoRAMeta,
+    scale: float,
+    out: torch.Tensor,
+    config: dict | None = None,
+    ranks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Graph-safe Triton path of `lora_shrink` (arguments already checked): the same kernel
+    over a fixed grid, (cdiv(T, BLOCK_M) * n tiles * SPLIT_K, S, L), every program reading its
+    slot's token count and start on the device and exiting when it has no tokens there. No
+    host sync, no per-step host values: one capture serves every adapter mix of T tokens.
+    Split-K zeroes the adapter tokens' rows with a device mask (meta.lora_token_mask), so rows
+    of other tokens stay untouched here too. `config` overrides the tiles (tests)."""
+    num_slots, rank, hidden_in = lora_a[0].shape
+    assert num_slots == meta.max_loras, f"lora_a has {num_slots} slots, meta {meta.max_loras}"
+    cfg = _static_config(
+        meta.num_tokens, num_slots, len(lora_a), rank, hidden_in, x.dtype, out.dtype, x.device
     )
+    cfg.update(config or {})
+    if cfg["SPLIT_K"] > 1:
+        assert out.dtype == torch.float32, "SPLIT_K > 1 accumulates with atomics: out must be fp32"
+        out.masked_fill_(meta.lora_token_mask.view(1, -1, 1), 0.0)
+    a_ptrs = static_device_table([[a.data_ptr() for a in lora_a]], x.device)[0]
+    grid = (
+        cdiv(meta.num_tokens, cfg["BLOCK_M"]) * cdiv(rank, cfg["BLOCK_N"]) * cfg["SPLIT_K"],
+        len(lora_a),
+        num_slots,
+    )
+    _launch(grid, cfg, x, lora_a, a_ptrs, meta, scale, out, ranks)
     return out
 
 
 def lora_shrink(
     x: torch.Tensor,
     lora_a: Sequence[torch.Tensor],
-    meta: LoRABatchMeta,
+    meta: LoRABatchMeta | StaticLoRAMeta,
     scale: float = 1.0,
     out: torch.Tensor | None = None,
     backend: str = "auto",
@@ -220,7 +296,9 @@ def lora_shrink(
         lora_a: S tensors (1 to 3 slices: e.g. q, k, v), each [L, R, H_in], all with the
             same strides (contiguous, or views of one packed tensor: SlotWeights.lora_a),
             same dtype as x; L = number of slots, R = max rank (zero-padded).
-        meta: `LoRABatchMeta.build(token_slots, L)`, built once per step.
+        meta: `LoRABatchMeta.build(token_slots, L)`, built once per step; or a
+            `StaticLoRAMeta` (CUDA graphs: T padded, updated in place; Triton only), which
+            takes the graph-safe launch `lora_shrink_static`.
         scale: global factor (per-adapter alpha / r is folded into lora_b).
         out: [S, T, R], contiguous; fp32 recommended (the Triton split-K path needs
             it). None allocates fp32 zeros.
@@ -233,6 +311,11 @@ def lora_shrink(
     Returns `out`. With `meta.no_lora` nothing is launched.
     """
     out = check_shrink_args(x, lora_a, meta, out)
+    if isinstance(meta, StaticLoRAMeta):
+        assert resolve_backend(backend, x) == "triton", (
+            "a StaticLoRAMeta is for the Triton kernels; the torch path takes LoRABatchMeta"
+        )
+        return lora_shrink_static(x, lora_a, meta, scale, out, ranks=ranks)
     if meta.no_lora:
         return out
     if resolve_backend(backend, x) == "triton":

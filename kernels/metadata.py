@@ -1,9 +1,22 @@
-"""Per-step LoRA batch metadata: tokens grouped by adapter slot (punica SGMV layout)."""
+"""Per-step LoRA batch metadata: tokens grouped by adapter slot (punica SGMV layout).
+
+Two kinds, one layout (`sorted_token_ids`, `num_tokens_per_slot`, `slot_starts`,
+`active_slots`, the fields the Triton kernels read):
+
+- `LoRABatchMeta.build`: eager steps. One host sync per step buys exact grids (only the
+  active slots, only as many token tiles as the longest slot) and the host fields the torch
+  and C++ paths need.
+- `StaticLoRAMeta` (`LoRABatchMeta.build_static`): CUDA-graph steps. Fixed shapes over every
+  slot, preallocated buffers rewritten in place by device ops only (no host sync), so a graph
+  captured for one adapter mix replays correctly for any other.
+"""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -62,6 +75,13 @@ class LoRABatchMeta:
     @property
     def num_active_slots(self) -> int:
         return len(self.active_slots_list)
+
+    @staticmethod
+    def build_static(
+        token_slots: torch.Tensor, max_loras: int, max_num_tokens: int | None = None
+    ) -> StaticLoRAMeta:
+        """`StaticLoRAMeta.build`: the graph-safe meta (device ops only, no host sync)."""
+        return StaticLoRAMeta.build(token_slots, max_loras, max_num_tokens)
 
     @classmethod
     def build(cls, token_slots: torch.Tensor, max_loras: int) -> LoRABatchMeta:
@@ -129,6 +149,121 @@ class LoRABatchMeta:
                 3, num_active
             ),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class StaticLoRAMeta:
+    """LoRABatchMeta's kernel fields at fixed shapes and fixed addresses, for CUDA graphs.
+
+    Allocate once per capture size T (`allocate`), then `update_(token_slots)` before each
+    replay: it rewrites the same tensors in place with device ops only (a stable sort, a
+    searchsorted, copies: no .tolist/.item/nonzero/unique/bincount, which sync with the host
+    or size their output from the data), so a graph captured for one adapter mix reads the
+    next step's mix from the same addresses. update_ may also run inside the captured region.
+
+    Layout: as LoRABatchMeta, but over EVERY slot, not only the active ones:
+    `active_slots` is arange(L) and never changes; slot l owns
+    `sorted_token_ids[slot_starts[l] : slot_starts[l] + num_tokens_per_slot[l]]`, and a slot no
+    token uses has count 0 (its kernel programs exit at once). Tokens with slot -1, and the
+    padding rows past the batch (update_ with fewer than T tokens), come last and belong to no
+    slot. The kernels' grids come from (T, L) only (kernels.lora_shrink / lora_expand).
+
+    `no_lora` is always False: whether a step has any adapter token is known only on the
+    device. A base-only step launches the same grid; every program finds count 0 and exits,
+    leaving the outputs untouched. Slot values are not checked (that needs a sync; `build`
+    asserts them): a slot outside [-1, L) counts as no adapter, so no kernel reads past the
+    stacked weights. There are no host fields: the torch and C++ paths take LoRABatchMeta.
+    """
+
+    token_slots: torch.Tensor  # [T] int32, slot of each token, -1 = no adapter (and padding)
+    sorted_token_ids: torch.Tensor  # [T] int32, adapter tokens grouped by slot, then the rest
+    num_tokens_per_slot: torch.Tensor  # [L] int32, 0 for a slot no token uses
+    slot_starts: torch.Tensor  # [L] int32, offset of each slot's segment in sorted_token_ids
+    active_slots: torch.Tensor  # [L] int32, = arange(L) (the kernels' segment -> slot table)
+    lora_token_mask: torch.Tensor  # [T] bool, token has a slot in [0, L) (split-K zeroing)
+    num_tokens: int  # T, the capture size
+    max_loras: int  # L
+    no_lora: ClassVar[bool] = False
+
+    @classmethod
+    def allocate(
+        cls, num_tokens: int, max_loras: int, device: torch.device | str = "cpu"
+    ) -> StaticLoRAMeta:
+        """Buffers for T = num_tokens tokens and L = max_loras slots, all tokens slot -1."""
+        assert num_tokens >= 0, f"num_tokens must be >= 0, got {num_tokens}"
+        assert max_loras >= 1, f"max_loras must be >= 1, got {max_loras}"
+
+        def ints(n: int, fill: int) -> torch.Tensor:
+            return torch.full((n,), fill, dtype=torch.int32, device=device)
+
+        return cls(
+            token_slots=ints(num_tokens, -1),
+            sorted_token_ids=torch.arange(num_tokens, dtype=torch.int32, device=device),
+            num_tokens_per_slot=ints(max_loras, 0),
+            slot_starts=ints(max_loras, 0),
+            active_slots=torch.arange(max_loras, dtype=torch.int32, device=device),
+            lora_token_mask=torch.zeros(num_tokens, dtype=torch.bool, device=device),
+            num_tokens=num_tokens,
+            max_loras=max_loras,
+        )
+
+    @classmethod
+    def build(
+        cls, token_slots: torch.Tensor, max_loras: int, max_num_tokens: int | None = None
+    ) -> StaticLoRAMeta:
+        """`allocate(max_num_tokens or len(token_slots), max_loras)` then `update_`."""
+        num_tokens = token_slots.numel() if max_num_tokens is None else max_num_tokens
+        return cls.allocate(num_tokens, max_loras, token_slots.device).update_(token_slots)
+
+    def update_(self, token_slots: torch.Tensor) -> StaticLoRAMeta:
+        """Regroup in place for this step's slots; returns self. No host sync.
+
+        token_slots: [n] int32/int64 with n <= T, -1 = no adapter; rows n..T-1 become
+            padding (slot -1). On this meta's device, or a pinned CPU tensor (the copy is
+            non_blocking; a pageable one makes it a host-blocking copy).
+        """
+        assert token_slots.dim() == 1, (
+            f"token_slots must be 1-D [n], got {tuple(token_slots.shape)}"
+        )
+        assert token_slots.dtype in (torch.int32, torch.int64), (
+            f"token_slots must be int32 or int64, got {token_slots.dtype}"
+        )
+        n = token_slots.numel()
+        assert n <= self.num_tokens, f"{n} tokens for a meta of {self.num_tokens}"
+        self.token_slots[:n].copy_(token_slots, non_blocking=True)
+        self.token_slots[n:].fill_(-1)
+        slots, num_slots = self.token_slots, self.max_loras
+        torch.logical_and(slots >= 0, slots < num_slots, out=self.lora_token_mask)
+        # Sort key: slot L for every token without one, so those come after all the slots.
+        key = torch.where(self.lora_token_mask, slots, num_slots)
+        sorted_key, order = torch.sort(key, stable=True)
+        self.sorted_token_ids.copy_(order)
+        # bounds[l] = number of tokens with key < l = first sorted row of slot l; bounds[L] is
+        # the number of adapter tokens. (Not bincount: it sizes its output from max(input).)
+        bounds = torch.searchsorted(
+            sorted_key,
+            torch.arange(num_slots + 1, dtype=torch.int32, device=slots.device),
+            out_int32=True,
+        )
+        self.slot_starts.copy_(bounds[:num_slots])
+        torch.sub(bounds[1:], bounds[:num_slots], out=self.num_tokens_per_slot)
+        return self
+
+
+_STATIC_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def static_device_table(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """int64 [len(rows), S] tensor of per-slice launch values (weight data_ptrs, widths, ...),
+    as `kernels.utils.device_table`, but never evicted: a captured CUDA graph keeps reading the
+    address it saw at capture, so the tensor must outlive every graph. Cached by value; it
+    grows with the number of distinct weight sets (fixed slot weights: a few per layer). The
+    first call for a set copies host to device: make it in the warm-up run before capture."""
+    key = (tuple(tuple(r) for r in rows), str(device))
+    table = _STATIC_TABLES.get(key)
+    if table is None:
+        table = _STATIC_TABLES[key] = torch.tensor(rows, dtype=torch.int64, device=device)
+    return table
 
 
 def _runs(slots: list[int]) -> tuple[tuple[int, int, int], ...]:
