@@ -74,6 +74,8 @@ ENGINE_ARGS: dict[str, Any] = {
     "block_size": int,
     "num_kv_blocks": int,
     "kv_cache_memory_gb": float,
+    "gpu_memory_utilization": float,
+    "enforce_eager": _bool,
     "lora_backend": str,
     "lora_dtype": str,
     "lora_starvation_steps": int,

@@ -17,9 +17,12 @@ class SchedulerConfig:
 @dataclass(slots=True)
 class CacheConfig:
     block_size: int
-    num_kv_blocks: int | None  # None: derived from kv_cache_memory_gb once the model is known
+    # None: planned once the model is loaded (CUDA: gpu_memory_utilization; CPU:
+    # kv_cache_memory_gb), see engine/memory.py
+    num_kv_blocks: int | None
     kv_cache_memory_gb: float
     enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
 
 
 @dataclass(slots=True)
@@ -40,7 +43,11 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    num_kv_blocks: int | None = None
+    num_kv_blocks: int | None = None  # None: planned from the memory below
+    # CUDA (vLLM's name): the fraction of the device's memory this engine may use; the KV
+    # cache gets what the model, the LoRA slots and a profiled step leave (engine/memory.py).
+    gpu_memory_utilization: float = 0.9
+    # CPU only (as vLLM's VLLM_CPU_KVCACHE_SPACE): the KV cache's size in GiB.
     kv_cache_memory_gb: float = 1.0
     # Automatic prefix caching (vLLM's name and v1 default): reuse the KV of full blocks of
     # an earlier prompt with the same prefix under the same adapter (engine/block_manager.py).
@@ -59,6 +66,9 @@ class EngineConfig:
     dtype: str = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA
     device: str = "auto"
     seed: int = 0
+    # vLLM's name: True runs every GPU decode step eagerly instead of replaying the CUDA graphs
+    # captured at start-up (engine/cuda_graphs.py). The CPU always runs eagerly.
+    enforce_eager: bool = False
     scheduler: SchedulerConfig = field(init=False)
     cache: CacheConfig = field(init=False)
     lora: LoRAConfig = field(init=False)
@@ -85,6 +95,9 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError("kv_cache_memory_gb must be > 0")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         if self.lora_backend not in ("auto", "torch", "triton"):
@@ -113,6 +126,7 @@ class EngineConfig:
             self.num_kv_blocks,
             self.kv_cache_memory_gb,
             self.enable_prefix_caching,
+            float(self.gpu_memory_utilization),
         )
         self.lora = LoRAConfig(
             self.enable_lora,

@@ -13,6 +13,12 @@ folder holding a Hugging Face checkpoint:
 ``load_model_config(path)`` returns the ``config.json`` contents; ``load_state_dict(path)``
 returns every weight tensor under its HF name (``model.layers.0.self_attn.q_proj.weight``,
 ...), read from all safetensors shards, or from ``pytorch_model*.bin`` if there are none.
+
+Serving loads through ``load_model(path, args, device, dtype)``, which never holds a second
+copy of the model: ``build_model`` allocates the parameters once, in ``dtype``, on ``device``
+(no fp32 staging), and ``LazyStateDict`` reads each tensor from its shard on demand (a view
+of the memory-mapped file) for ``load_weights``, whose ``copy_`` casts it on the fly.
+``iter_weights(path)`` yields ``(name, tensor)`` shard by shard, one at a time.
 """
 
 from __future__ import annotations
@@ -20,9 +26,15 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.models.llama import LlamaForCausalLM, ModelArgs
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _MODEL_TYPE_TO_ARCH = {
@@ -276,6 +288,123 @@ def _weight_files(path: Path) -> list[Path]:
     return []
 
 
+def _checked_weight_files(path: Path) -> list[Path]:
+    files = _weight_files(path)
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {path}")
+    missing = [f for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"weight shard(s) missing from {path}: {[f.name for f in missing]}")
+    return files
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+        return t.to(dtype)
+    return t
+
+
+def _open_shard(f: Path) -> tuple[list[str], Callable[[str], torch.Tensor]]:
+    """(names, name -> tensor) of one shard: safetensors' safe_open reads the header only and
+    returns views of the memory-mapped file; a .bin shard is torch.load'ed with mmap."""
+    if f.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        handle = safe_open(str(f), framework="pt", device="cpu")
+        return list(handle.keys()), handle.get_tensor
+    tensors = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+    return list(tensors), tensors.__getitem__
+
+
+def iter_weights(
+    path: Path, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every weight, shard by shard, one tensor at a time (vLLM's
+    safetensors_weights_iterator). Floating-point tensors are cast to ``dtype`` (``None``
+    keeps the stored dtype). Raises ValueError for a name stored in two shards."""
+    path = Path(path)
+    seen: set[str] = set()
+    for f in _checked_weight_files(path):
+        names, get = _open_shard(f)
+        for name in names:
+            if name in seen:
+                raise ValueError(f"tensor {name!r} appears in more than one shard of {path}")
+            seen.add(name)
+            yield name, _cast(get(name), dtype)
+        del get  # unmap this shard before the next
+
+
+class LazyStateDict(Mapping[str, torch.Tensor]):
+    """HF name -> tensor, read from its shard on each ``[name]`` (construction reads the
+    shards' headers only); ``num_reads`` counts the reads per name. Without a cast a tensor is
+    a view of the memory-mapped shard (nothing on the heap); with ``dtype`` each read is a new
+    cast copy, so for ``load_weights`` (which takes every item before copying) keep
+    ``dtype=None`` and let its ``copy_`` cast."""
+
+    def __init__(self, path: Path, dtype: torch.dtype | None = None) -> None:
+        self.path = Path(path)
+        self.dtype = dtype
+        self._shards: dict[Path, Callable[[str], torch.Tensor]] = {}  # file -> name -> tensor
+        self._where: dict[str, Path] = {}  # name -> shard file
+        for f in _checked_weight_files(self.path):
+            names, self._shards[f] = _open_shard(f)
+            for name in names:
+                if name in self._where:
+                    raise ValueError(
+                        f"tensor {name!r} appears in more than one shard of {self.path}"
+                    )
+                self._where[name] = f
+        self.num_reads: Counter[str] = Counter()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        f = self._where[name]  # KeyError for an unknown name, as a dict
+        self.num_reads[name] += 1
+        if f not in self._shards:  # after close()
+            self._shards[f] = _open_shard(f)[1]
+        return _cast(self._shards[f](name), self.dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def close(self) -> None:  # tensors already returned stay valid
+        self._shards.clear()
+
+
+def build_model(
+    args: ModelArgs, device: str | torch.device, dtype: torch.dtype
+) -> LlamaForCausalLM:
+    """The model's parameters allocated once, uninitialised, in ``dtype`` on ``device``: built
+    and cast on the meta device (no memory), then ``to_empty``, so a bf16 model never has an
+    fp32 copy. ``inv_freq`` stays fp32 (RoPE's angles need it)."""
+    from engine.models.llama import LlamaForCausalLM, rope_inv_freq
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(args).to(dtype)
+    model = model.to_empty(device=device)
+    model.inv_freq = rope_inv_freq(args).to(device)
+    return model
+
+
+def load_model(
+    path: Path, args: ModelArgs, device: str | torch.device, dtype: torch.dtype
+) -> LlamaForCausalLM:
+    """``build_model`` + every weight of the checkpoint in ``path``, streamed from its shards
+    (LazyStateDict) and cast on the fly by ``copy_``; returns the model in eval mode."""
+    model = build_model(args, device, dtype)
+    weights = LazyStateDict(path)
+    try:
+        model.load_weights(weights)
+    finally:
+        weights.close()
+    return model.eval()
+
+
 def load_state_dict(
     path: Path, dtype: torch.dtype | None = torch.float32, device: str | torch.device = "cpu"
 ) -> dict[str, torch.Tensor]:
@@ -285,27 +414,7 @@ def load_state_dict(
     without safetensors, ``pytorch_model*.bin`` is read with ``torch.load(weights_only=True)``.
     Floating-point tensors are cast to ``dtype`` (``None`` keeps the stored dtype); others
     are left alone. Names are exactly as stored; a tied ``lm_head.weight`` is usually absent
-    (see ``tie_word_embeddings`` in the config).
-    """
-    path = Path(path)
-    files = _weight_files(path)
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {path}")
-    missing = [f for f in files if not f.is_file()]
-    if missing:
-        raise FileNotFoundError(f"weight shard(s) missing from {path}: {[f.name for f in missing]}")
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        if f.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            shard = load_file(str(f), device="cpu")
-        else:
-            shard = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
-        for name, t in shard.items():
-            if name in out:
-                raise ValueError(f"tensor {name!r} appears in more than one shard of {path}")
-            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
-                t = t.to(dtype)
-            out[name] = t.to(device) if torch.device(device).type != "cpu" else t
-    return out
+    (see ``tie_word_embeddings`` in the config). Holds it all at once (the engine uses
+    ``load_model``)."""
+    on_host = torch.device(device).type == "cpu"
+    return {name: t if on_host else t.to(device) for name, t in iter_weights(path, dtype)}
