@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = str(make_tiny_llama(Path(tmp) / "tiny"))
         adapters = {k: str(v) for k, v in make_adapter_set(model_dir, Path(tmp) / "ad").items()}
         engine = engine_for(model_dir, "float32", device)
-        assert engine.model_runner.lora_backend == "triton"
+        assert engine.model_runner.lora_backend.name == "triton"
         check_parity(model_dir, adapters, engine)  # asserts
         print(f"PASS fp32 parity with PEFT on {where} (triton LoRA)")
 

@@ -190,7 +190,7 @@ def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
     cpp = "on" if runner.device.type == "cpu" and cpu_lora_op() is not None else "off"
     log(
         f"model: {path} ({runner.args.num_layers} layers, {runner.device.type} "
-        f"{str(runner.dtype)[6:]}, {threads} threads, LoRA backend {runner.lora_backend}, "
+        f"{str(runner.dtype)[6:]}, {threads} threads, LoRA backend {runner.lora_backend.name}, "
         f"C++ CPU kernel {cpp})"
     )
     log(f"adapters: {n} x rank {args.rank} on {','.join(ALL_LINEARS)} (max_loras {n})")

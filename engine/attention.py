@@ -93,21 +93,24 @@ class AttentionMetadata:
         md = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), block_size)
         md.prefills = prefills
         if decode_kernel is not None and decodes:
-            md.decode_batch = _decode_batch(decode_kernel, decodes, block_size)
+            md.decode_batch = _decode_batch(decode_kernel, decodes, block_size, device)
         else:
             md.decodes = _decode_buckets(decodes, block_size, device)
         return md
 
 
 def _decode_batch(
-    op: Callable[..., None], decodes: list[tuple[int, int, list[int]]], block_size: int
+    op: Callable[..., None],
+    decodes: list[tuple[int, int, list[int]]],
+    block_size: int,
+    device: torch.device,
 ) -> DecodeBatch:
     width = max(-(-length // block_size) for _, length, _ in decodes)
     return DecodeBatch(
         op=op,
-        rows=torch.tensor([r for r, _, _ in decodes], dtype=torch.long),
-        tables=torch.tensor(_padded_tables(decodes, width), dtype=torch.int32),
-        lens=torch.tensor([length for _, length, _ in decodes], dtype=torch.int32),
+        rows=torch.tensor([r for r, _, _ in decodes], dtype=torch.long, device=device),
+        tables=torch.tensor(_padded_tables(decodes, width), dtype=torch.int32, device=device),
+        lens=torch.tensor([length for _, length, _ in decodes], dtype=torch.int32, device=device),
     )
 
 
@@ -140,6 +143,34 @@ def _decode_buckets(
             )
         )
     return buckets
+
+
+def sdpa_decode_attention(
+    q: torch.Tensor,  # [T, H, D]
+    rows: torch.Tensor,  # [N] int64 decode rows of q and out
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,  # [N, W] int32 block tables
+    lens: torch.Tensor,  # [N] int32 context lengths (<= W * block_size)
+    block_size: int,
+    scale: float,
+    out: torch.Tensor,  # [T, H, D]: rows written
+) -> None:
+    """The C++ decode kernel's contract (DecodeBatch.op) in torch: every row's W blocks
+    gathered, positions past its length masked, one SDPA call. The static decode path's
+    fallback where no in-place kernel takes the model (e.g. a bf16 CPU model, head sizes the
+    C++ kernel lacks); it reads only tensors, so it is also safe to capture in a graph."""
+    n, (num_kv_heads, head_dim), num_heads = rows.numel(), k_cache.shape[1:], q.shape[1]
+    ids = tables.reshape(-1).to(torch.long)
+    kd = _gather_blocks(k_cache, ids, block_size).view(n, -1, num_kv_heads, head_dim)
+    vd = _gather_blocks(v_cache, ids, block_size).view(n, -1, num_kv_heads, head_dim)
+    pos = torch.arange(kd.shape[1], device=q.device)
+    mask = (pos[None, :] < lens[:, None])[:, None, None, :]
+    qd = q.index_select(0, rows).view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(
+        qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=mask, scale=scale
+    )
+    out.index_copy_(0, rows, o.reshape(n, num_heads, head_dim))
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> torch.Tensor:

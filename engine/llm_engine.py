@@ -38,6 +38,7 @@ class LLMEngine:
         # A sequence can never outgrow the whole KV cache.
         max_len = min(config.max_model_len, self.model_runner.num_kv_blocks * config.block_size)
         config.max_model_len = config.scheduler.max_model_len = max_len
+        self.model_runner.init_decode(max_len)
         self.block_manager = BlockManager(
             self.model_runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )

@@ -9,22 +9,26 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
+from engine.device_sampler import DeviceSampler, make_sampler
 from engine.errors import InjectedFault
 from engine.faults import FaultInjector
 from engine.lora.adapter import LoRAModelSpec
 from engine.lora.manager import LoRAManager
-from engine.models.llama import ForwardContext, LlamaForCausalLM, ModelArgs, rope_inv_freq
-from engine.models.loader import load_model_config, load_state_dict
-from engine.sampler import Sampler, SampleResult
+from engine.memory import CudaMeter, MemoryPlan, MemorySnapshot, plan_kv_blocks, profile_run
+from engine.models.llama import ForwardContext, ModelArgs
+from engine.models.loader import load_model, load_model_config
+from engine.sampler import SampleResult
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
-from kernels import LoRABatchMeta
+from engine.static_decode import StaticDecode
+from kernels import LoRABatchMeta, lora_backend_name, make_lora_backend
 from kernels.cpu_kernel import (
     cpu_decode_attention_op,
     cpu_decode_layers_op,
     cpu_lora_op,
     packed_gemm_fast,
 )
+from kernels.paged_attention import paged_decode_attention_op
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -81,23 +85,20 @@ class ModelRunner:
         self.config = config
         self.device = pick_device(config)
         self.dtype = pick_dtype(config, self.device)
-        backend = config.lora_backend
-        if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else "torch"
-        self.lora_backend = backend
+        backend = lora_backend_name(config.lora_backend, self.device)
         self.lora_dtype = pick_lora_dtype(config, self.dtype, backend)  # checked before loading
+        # the LoRA backend, chosen once: each step's ForwardContext prepares it with that step's
+        # batch, and every LoRA linear calls it (kernels/backends)
+        self.lora_backend = make_lora_backend(self.device, self.dtype, backend)
         self.args = ModelArgs.from_hf_config(load_model_config(model_path))
-        with torch.device("meta"):
-            model = LlamaForCausalLM(self.args)
-        model = model.to_empty(device=self.device).to(self.dtype)
-        model.inv_freq = rope_inv_freq(self.args).to(self.device)  # fp32, not self.dtype
-        model.load_weights(load_state_dict(model_path, dtype=self.dtype))
-        self.model = model.eval()
-        self.block_size = config.block_size
-        self.num_kv_blocks = config.num_kv_blocks or self._blocks_for_memory()
-        self._allocate_kv_cache()
-        self.sampler = Sampler(config.seed)
-        self.faults = FaultInjector()  # test-only (engine/faults.py)
+        # CUDA without num_kv_blocks: the KV cache gets what the model, the LoRA slots and a
+        # profiled step leave of gpu_memory_utilization (engine/memory.py); measured from here
+        baseline = None
+        if self.device.type == "cuda" and config.num_kv_blocks is None:
+            baseline = MemorySnapshot.take(self.device)
+        # parameters allocated once, in self.dtype; weights streamed shard by shard
+        self.model = load_model(model_path, self.args, self.device, self.dtype)
+        # the LoRA slots before the KV cache: planning counts them and profiles with them
         self.lora_manager: LoRAManager | None = None
         if config.enable_lora:
             spec = LoRAModelSpec(
@@ -106,13 +107,24 @@ class ModelRunner:
             self.lora_manager = LoRAManager(
                 config.lora, spec, self.model.lora_linears(), self.device, self.lora_dtype
             )
+        self.block_size = config.block_size
+        self.memory_plan: MemoryPlan | None = None  # CUDA planning's numbers, when it ran
+        self.num_kv_blocks = config.num_kv_blocks or self._blocks_for_memory(baseline)
+        self._allocate_kv_cache()
+        # on CUDA the logits stay on the device: only the sampled ids and logprobs come back
+        self.sampler = make_sampler(self.device, config.seed)
+        self.faults = FaultInjector()  # test-only (engine/faults.py)
         if self.device.type == "cpu" and self.dtype == torch.float32:
             # the C++ CPU kernels (the packed GEMM; LoRA on the torch backend): build them
             # (first time on this machine) or load them now, not mid-step
             if cpu_lora_op() is not None and packed_gemm_fast():
                 self.model.pack_cpu_weights()
-        # the C++ decode attention (read in place), float32 on the CPU only; else SDPA
+        self.static_decode: StaticDecode | None = None  # init_decode, once max_model_len is known
+        # decode attention that reads the paged KV in place: the Triton kernel on CUDA, the C++
+        # one for float32 on the CPU; else SDPA over gathered blocks
         self.decode_attention = None
+        if self.device.type == "cuda":
+            self.decode_attention = paged_decode_attention_op
         if self.device.type == "cpu" and self.dtype == torch.float32:
             a = self.args
             self.decode_attention = cpu_decode_attention_op(a.num_heads, a.num_kv_heads, a.head_dim)
@@ -125,12 +137,43 @@ class ModelRunner:
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * elem
 
-    def _blocks_for_memory(self) -> int:
-        return max(1, int(self.config.kv_cache_memory_gb * 2**30) // self._kv_bytes_per_block())
+    def _blocks_for_memory(self, baseline: MemorySnapshot | None) -> int:
+        """KV blocks when num_kv_blocks is not given. CPU (baseline None): kv_cache_memory_gb.
+        CUDA: plan_kv_blocks from the memory used since `baseline` (model and LoRA slots) and
+        the peak of a profiled max_num_batched_tokens step; raises KVCacheMemoryError."""
+        bytes_per_block = self._kv_bytes_per_block()
+        if baseline is None:
+            return max(1, int(self.config.kv_cache_memory_gb * 2**30) // bytes_per_block)
+        c, meter = self.config, CudaMeter(self.device)
+        model_bytes = meter.allocated() - baseline.torch_allocated_bytes
+        peak = profile_run(
+            self.model,
+            num_tokens=c.max_num_batched_tokens,
+            max_seq_len=c.max_model_len or min(self.args.max_position_embeddings, 4096),
+            max_num_seqs=c.max_num_seqs,
+            block_size=self.block_size,
+            max_loras=c.max_loras if self.lora_manager is not None else 0,
+            lora_backend=self.lora_backend,
+            meter=meter,
+        )
+        self.memory_plan = plan_kv_blocks(
+            lambda: torch.cuda.mem_get_info(self.device),
+            c.gpu_memory_utilization,
+            model_bytes,
+            peak,
+            bytes_per_block,
+            baseline=baseline,
+            torch_reserved_bytes=torch.cuda.memory_reserved(self.device),
+        )
+        logger.info("%s", self.memory_plan.describe())
+        return self.memory_plan.num_kv_blocks
 
     def _allocate_kv_cache(self) -> None:
+        """num_kv_blocks blocks for the scheduler, plus the null block (id num_kv_blocks, owned
+        by no sequence) that padded decode rows write to (engine/decode_inputs.py)."""
         a = self.args
-        shape = (self.num_kv_blocks * self.block_size, a.num_kv_heads, a.head_dim)
+        self.null_block = self.num_kv_blocks
+        shape = ((self.num_kv_blocks + 1) * self.block_size, a.num_kv_heads, a.head_dim)
         for layer in self.model.layers:
             layer.self_attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.self_attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -156,7 +199,14 @@ class ModelRunner:
             (s, out.lora_slots[s.seq.lora_name] if s.seq.lora_name is not None else -1)
             for s in out.scheduled
         ]
-        for s, slot in order_by_slot(tagged):
+        ordered = order_by_slot(tagged)
+        if self.static_decode is not None and self.static_decode.applies(out):
+            self._step_fault()
+            seqs, hidden = self.static_decode.run(out, ordered)
+            result = ModelRunnerOutput()
+            self._sample_into(result, hidden, seqs)
+            return result
+        for s, slot in ordered:
             seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
             row0 = len(input_ids)
             input_ids.extend(seq.token_ids[start : start + n])
@@ -182,8 +232,7 @@ class ModelRunner:
             lora=lora_meta,
             lora_backend=self.lora_backend,
         )
-        if self.faults.take("step"):
-            raise InjectedFault("injected step fault (test-only, see engine/faults.py)")
+        self._step_fault()
         # final hidden states of the sampling rows, then of the prompt-logprob rows
         hidden = self.model.hidden_states(
             torch.tensor(input_ids, device=dev),
@@ -193,13 +242,7 @@ class ModelRunner:
         )
         result = ModelRunnerOutput()
         if sample_seqs:
-            logits = self.model.compute_logits(hidden[: len(sample_rows)]).cpu()
-            samples, errors = self.sampler.sample_isolated(logits, sample_seqs)
-            for seq, sample, error in zip(sample_seqs, samples, errors, strict=True):
-                if error is not None:
-                    result.failed[seq.seq_id] = error
-                else:
-                    result.sampled[seq.seq_id] = sample
+            self._sample_into(result, hidden[: len(sample_rows)], sample_seqs)
         prompt_hidden = hidden[len(sample_rows) :]
         for seq, rows, first in prompt_seqs:
             try:
@@ -209,6 +252,29 @@ class ModelRunner:
             except Exception as e:  # fails this request only
                 result.failed[seq.seq_id] = f"{type(e).__name__}: {e}"
         return result
+
+    def _step_fault(self) -> None:
+        if self.faults.take("step"):
+            raise InjectedFault("injected step fault (test-only, see engine/faults.py)")
+
+    def _sample_into(
+        self, result: ModelRunnerOutput, hidden: torch.Tensor, seqs: list[Sequence]
+    ) -> None:
+        """Sample one token for each of seqs from its row of hidden [len(seqs), hidden]."""
+        logits = self.model.compute_logits(hidden)
+        if not isinstance(self.sampler, DeviceSampler):
+            logits = logits.cpu()
+        samples, errors = self.sampler.sample_isolated(logits, seqs)
+        for seq, sample, error in zip(seqs, samples, errors, strict=True):
+            if error is not None:
+                result.failed[seq.seq_id] = error
+            else:
+                result.sampled[seq.seq_id] = sample
+
+    def init_decode(self, max_model_len: int) -> None:
+        """Once the engine knows max_model_len: the persistent decode buffers (and on CUDA the
+        captured decode graphs), engine/static_decode.py."""
+        self.static_decode = StaticDecode.for_runner(self, max_model_len)
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, seq: Sequence, first: int

@@ -76,8 +76,8 @@ def cpu_kernel_mode(monkeypatch, mode: str) -> list | None:
     assert mode == "cpu_kernel"
     monkeypatch.delenv("RAYLORA_CPU_KERNEL", raising=False)
     calls = []
-    # `kernels.lora_linear` is also the name of the op, hence import_module for the module
-    module = importlib.import_module("kernels.lora_linear")
+    # the torch LoRA backend looks its C++ ops up through these names when it is built
+    module = importlib.import_module("kernels.backends.cpu")
     for getter in ("cpu_lora_op", "cpu_linear_lora_op", "cpu_linear_lora_packed_op"):
         op = getattr(cpu_kernel, getter)()
         assert op is not None, "the C++ CPU kernel did not build (see the logged warning)"

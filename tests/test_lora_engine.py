@@ -126,17 +126,18 @@ def parity_engine(model_dir: str, **overrides) -> LLMEngine:
 def test_three_adapters_two_slots_match_peft(tiny_model_dir, adapters, monkeypatch, cpu_kernel):
     """Decode batches go to the C++ CPU kernel when it is on, to torch ops when it is off
     (RAYLORA_CPU_KERNEL=0); prefill always to torch ops. Both must match PEFT."""
-    import engine.models.llama as llama
+    from kernels.backends import CPULoRABackend
 
     op_calls = cpu_kernel_mode(monkeypatch, "cpu_kernel" if cpu_kernel == "on" else "torch_ops")
     metas = []
-    real = llama.linear_with_lora
+    real = CPULoRABackend.prepare
 
-    def spy(x, weight, bias, w, meta, backend):
-        metas.append(meta)
-        return real(x, weight, bias, w, meta, backend)
+    def spy(backend, meta):  # once per forward: the step's batch
+        if meta is not None and not meta.no_lora:
+            metas.append(meta)
+        return real(backend, meta)
 
-    monkeypatch.setattr(llama, "linear_with_lora", spy)
+    monkeypatch.setattr(CPULoRABackend, "prepare", spy)
     engine = parity_engine(tiny_model_dir)
     check_parity(tiny_model_dir, adapters, engine)
     assert engine.model_runner.lora_manager.num_cpu_evictions > 0  # CPU cache of 2 for 3
@@ -209,7 +210,7 @@ def test_triton_kernels_in_engine_under_interpreter(tiny_model_dir, adapters, mo
             lora_backend="triton",
         )
     )
-    assert engine.model_runner.lora_backend == "triton"
+    assert engine.model_runner.lora_backend.name == "triton"
     check_parity(tiny_model_dir, adapters, engine, max_tokens=4)
     # the kernels read each slot's rows up to its adapter's rank (ranks_device, kept in sync)
     linears = engine.model_runner.model.lora_linears().values()

@@ -2,7 +2,6 @@
 linear_with_lora (the base linear too) against the fp32 references, on every layout their torch
 path distinguishes, with the C++ CPU kernel on and off, and through Triton (interpreter)."""
 
-import importlib
 import zlib
 
 import pytest
@@ -19,10 +18,9 @@ from kernels import (
     lora_linear,
     lora_shrink_ref,
 )
+from kernels.backends import CPULoRABackend
 from kernels.packed_weight import PackedWeight
 from tests.lora_fixtures import cpu_kernel_mode
-
-lora_linear_mod = importlib.import_module("kernels.lora_linear")  # `kernels.lora_linear` is the op
 
 # Layouts the C++ CPU kernel takes (grouped by slot, at most 16 tokens a slot); the others
 # (unsorted, or a long prefill segment) stay on torch ops.
@@ -132,15 +130,15 @@ def test_linear_with_lora_matches_reference(
     )
     ref = lora_expand_ref(lora_shrink_ref(x, w.lora_a, slots), w.lora_b, slots, base.clone())
     # The C++ kernel's batches go straight to it; without it, a batch whose every token has an
-    # adapter, in equal runs per slot (decode), takes the addmm path. Neither calls
-    # lora_linear; every other batch goes through it.
+    # adapter, in equal runs per slot (decode), takes the addmm path. Neither calls the
+    # backend's add_lora after the base GEMM; every other batch goes through it.
     uniform_all = layout in ("sorted_uniform", "sorted_uniform_one_slot")
     assert uniform_all == (meta.uniform and meta.num_lora_tokens == meta.num_tokens)
     kernel = cpu_kernel_calls is not None and layout in CPU_KERNEL_LAYOUTS
     fused = kernel or (uniform_all and cpu_kernel_calls is None and not packed)
     calls = []
-    real = lora_linear_mod.lora_linear
-    monkeypatch.setattr(lora_linear_mod, "lora_linear", lambda *a: calls.append(1) or real(*a))
+    real = CPULoRABackend.add_lora
+    monkeypatch.setattr(CPULoRABackend, "add_lora", lambda *a: calls.append(1) or real(*a))
     y = linear_with_lora(x, weight, b, w, meta, backend="torch")
     assert len(calls) == (0 if fused else 1)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)

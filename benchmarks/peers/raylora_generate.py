@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> PeerResult:
             "torch_threads": str(threads),
             "kv_cache_memory_gb": str(engine.config.kv_cache_memory_gb),
             "preemptions": str(engine.scheduler.num_preemptions),
-            "lora_backend": str(engine.model_runner.lora_backend),
+            "lora_backend": engine.model_runner.lora_backend.name,
         },
     )
     write_result(result, out)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
-from kernels import LoRABatchMeta, SlotWeights, base_linear, linear_with_lora
+from kernels import LoRABackend, LoRABatchMeta, SlotWeights, base_linear
 from kernels.packed_weight import PackedWeight
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -92,7 +92,14 @@ PACKED_MODULES = {
 class ForwardContext:
     attn: AttentionMetadata
     lora: LoRABatchMeta | None  # None or no_lora: base-only batch, no LoRA work at all
-    lora_backend: str = "torch"
+    # The engine's LoRA backend (kernels.make_lora_backend, chosen once per engine), replaced
+    # when the context is built by itself prepared with `lora`: this step's route, decided once
+    # for every LoRA linear, held by this context alone (one built ahead for a CUDA graph keeps
+    # its own, whatever steps run in between).
+    lora_backend: LoRABackend
+
+    def __post_init__(self) -> None:
+        self.lora_backend = self.lora_backend.prepare(self.lora)
 
 
 class LoRALinear(nn.Module):
@@ -112,10 +119,8 @@ class LoRALinear(nn.Module):
         self.weight = packed
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        meta = ctx.lora
-        if meta is None or meta.no_lora or self.lora is None:
-            return base_linear(x, self.weight, self.bias)
-        return linear_with_lora(x, self.weight, self.bias, self.lora, meta, ctx.lora_backend)
+        # the prepared backend: base GEMM only when the step or this layer has no LoRA
+        return ctx.lora_backend.linear(x, self.weight, self.bias, self.lora)
 
 
 class RMSNorm(nn.Module):
