@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from kernels.metadata import LoRABatchMeta
+from kernels.metadata import LoRABatchMeta, StaticLoRAMeta
 
 try:
     import triton
@@ -114,7 +114,9 @@ def _check_weights(
         assert w.device == device, f"{name}[{s}] on {w.device}, inputs on {device}"
 
 
-def _check_meta(meta: LoRABatchMeta, num_tokens: int, device: torch.device) -> None:
+def _check_meta(
+    meta: LoRABatchMeta | StaticLoRAMeta, num_tokens: int, device: torch.device
+) -> None:
     assert meta.num_tokens == num_tokens, (
         f"meta was built for {meta.num_tokens} tokens, inputs have {num_tokens}"
     )
@@ -126,7 +128,7 @@ def _check_meta(meta: LoRABatchMeta, num_tokens: int, device: torch.device) -> N
 def check_shrink_args(
     x: torch.Tensor,
     lora_a: Sequence[torch.Tensor],
-    meta: LoRABatchMeta,
+    meta: LoRABatchMeta | StaticLoRAMeta,
     out: torch.Tensor | None,
 ) -> torch.Tensor:
     """Asserts the shrink contract; returns `out` (zeros [S, T, R] fp32 if None)."""
@@ -155,7 +157,7 @@ def check_shrink_args(
 def check_expand_args(
     buf: torch.Tensor,
     lora_b: Sequence[torch.Tensor],
-    meta: LoRABatchMeta,
+    meta: LoRABatchMeta | StaticLoRAMeta,
     y: torch.Tensor,
     offsets: Sequence[int] | None,
 ) -> list[int]:
