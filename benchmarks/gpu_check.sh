@@ -1,21 +1,30 @@
 #!/usr/bin/env bash
-# One-shot GPU check (under 9 minutes on one GPU; each step has its own time limit):
+# One-shot GPU check (about 8 minutes on one GPU; each step has its own time limit):
 #   1. engine_parity: the engine on CUDA with the Triton LoRA kernels against PEFT, issue 3's
 #      three-adapter workload (benchmarks/gpu_engine_check.py);
-#   2. lora_overhead: benchmarks/lora_overhead.py on a random-weight model of the default
-#      model's shapes (its config and tokenizer in $MODEL_LIKE, default .gpu/smollm2: the
-#      weights do not travel), (a) decode step LoRA / base plus a CUDA-graph probe, (b) against
-#      HF PEFT on the same GPU;
+#   2. gpu_decode: issue 17's GPU-grade decode (benchmarks/gpu_decode_check.py, at most ~4.5
+#      minutes, a time limit per part, every figure in $LOG_DIR/gpu_decode_check.json): paged
+#      attention and graph-safe LoRA kernels replayed from graphs against their references;
+#      the engine's decode graphs replayed under other batches, contexts, tables and adapter
+#      mixes against eager steps; a random SmolLM2-shaped model (graph step against the bare
+#      graph forward, 16 adapters against base, against HF generate and PEFT); Llama-3-8B
+#      shapes with random weights made on the GPU (tok/s at batch 1/16/64 and context
+#      512/2048, KV blocks at 0.9, capture time, bandwidth); the top kernels of one replay;
 #   3. correctness: lora_shrink / lora_expand (triton and torch backends) vs the fp32
 #      reference, fp16 / bf16 / fp32, tiny + SmolLM2 widths, ranks 1-64, 1-133 tokens;
 #   4. timings at Llama-3-8B shapes: triton vs the torch path, achieved bandwidth as a
-#      fraction of the device copy bandwidth measured in the same run;
-#   5. engine_throughput: benchmarks/engine_throughput.py (no LoRA) against HF generate.
+#      fraction of the device copy bandwidth measured in the same run.
+# With FULL=1 also (superseded by gpu_decode's smollm2 part, which runs them under graphs):
+#   lora_overhead: benchmarks/lora_overhead.py on a random-weight model of the default
+#      model's shapes (its config and tokenizer in $MODEL_LIKE, default .gpu/smollm2: the
+#      weights do not travel), (a) decode step LoRA / base plus a CUDA-graph probe, (b) against
+#      HF PEFT on the same GPU; engine_throughput: benchmarks/engine_throughput.py (no LoRA)
+#      against HF generate.
 # Run from anywhere on a fresh machine that has torch, triton, transformers and peft:
 #   bash benchmarks/gpu_check.sh             # on the GPU machine
 #   bash benchmarks/gpu_check.sh --dry-run   # CPU, triton interpreter, tiny shapes
-# Before: mkdir -p .gpu/smollm2 and copy config.json, generation_config.json, tokenizer*.json
-# and chat_template.jinja of ~/.cache/raylora/models/SmolLM2-135M-Instruct into it.
+# For FULL=1, before: mkdir -p .gpu/smollm2 and copy config.json, generation_config.json,
+# tokenizer*.json and chat_template.jinja of ~/.cache/raylora/models/SmolLM2-135M-Instruct.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -41,32 +50,34 @@ if torch.cuda.is_available():
     print(f"device: {torch.cuda.get_device_name(0)}")
 EOF
 
+DECODE_JSON="$LOG_DIR/gpu_decode_check.json"
 if [[ "${1:-}" == "--dry-run" ]]; then
     step dry_run 120 env TRITON_INTERPRET=1 "$PY" benchmarks/lora_kernels.py --tiny --interpret
-    STEPS=(dry_run)
+    step dry_run_decode 150 env TRITON_INTERPRET=1 RAYLORA_CPU_KERNEL=0 \
+        "$PY" benchmarks/gpu_decode_check.py --dry-run --json "$DECODE_JSON"
+    STEPS=(dry_run dry_run_decode)
 else
     "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {
         echo "FAIL: no CUDA device visible (use --dry-run on CPU)"; exit 2; }
     export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-    MODEL_LIKE=${MODEL_LIKE:-.gpu/smollm2}
-    RANDOM_MODEL=/tmp/raylora-gpu-model
     step engine_parity 90 "$PY" benchmarks/gpu_engine_check.py
-    STEPS=(engine_parity)
-    if [[ -f $MODEL_LIKE/config.json ]]; then
-        "$PY" benchmarks/random_model.py --like "$MODEL_LIKE" --out "$RANDOM_MODEL"
-        step lora_overhead 150 "$PY" benchmarks/lora_overhead.py --model "$RANDOM_MODEL"
-        STEPS+=(lora_overhead)
-    else
-        echo "no $MODEL_LIKE/config.json: lora_overhead and engine_throughput skipped"
-    fi
+    # its parts' limits add up to 260 s; the rest is start-up
+    step gpu_decode 290 "$PY" benchmarks/gpu_decode_check.py --json "$DECODE_JSON"
+    STEPS=(engine_parity gpu_decode)
     step correctness 150 "$PY" benchmarks/lora_kernels.py --check
     step timings 60 "$PY" benchmarks/lora_kernels.py --no-check --model llama3-8b --dtype bfloat16
     step timings_ranks 60 "$PY" benchmarks/lora_kernels.py --no-check --model llama3-8b \
         --dtype bfloat16 --adapter-rank 8
     STEPS+=(correctness timings timings_ranks)
-    if [[ -f $MODEL_LIKE/config.json ]]; then
+    MODEL_LIKE=${MODEL_LIKE:-.gpu/smollm2}
+    RANDOM_MODEL=/tmp/raylora-gpu-model
+    if [[ "${FULL:-0}" == 1 && -f $MODEL_LIKE/config.json ]]; then
+        "$PY" benchmarks/random_model.py --like "$MODEL_LIKE" --out "$RANDOM_MODEL"
+        step lora_overhead 150 "$PY" benchmarks/lora_overhead.py --model "$RANDOM_MODEL"
         step engine_throughput 60 "$PY" benchmarks/engine_throughput.py --model "$RANDOM_MODEL"
-        STEPS+=(engine_throughput)
+        STEPS+=(lora_overhead engine_throughput)
+    elif [[ "${FULL:-0}" == 1 ]]; then
+        echo "no $MODEL_LIKE/config.json: lora_overhead and engine_throughput skipped"
     fi
 fi
 
@@ -77,5 +88,5 @@ for name in "${STEPS[@]}"; do
     [[ ${RESULT[$name]} == PASS* ]] || status=1
 done
 grep -h "FAIL" "$LOG_DIR"/*.log | head -20
-grep -h "device copy bandwidth\|ratio\|PASS\|identical" "$LOG_DIR"/*.log
+grep -h "device copy bandwidth\|ratio\|PASS\|identical\|MET\|MISSED" "$LOG_DIR"/*.log
 exit $status
