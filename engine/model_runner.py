@@ -25,6 +25,7 @@ from kernels import LoRABatchMeta, lora_backend_name, make_lora_backend
 from kernels.cpu_kernel import (
     cpu_decode_attention_op,
     cpu_decode_layers_op,
+    cpu_elementwise_ops,
     cpu_lora_op,
     packed_gemm_fast,
 )
@@ -128,6 +129,9 @@ class ModelRunner:
         if self.device.type == "cpu" and self.dtype == torch.float32:
             a = self.args
             self.decode_attention = cpu_decode_attention_op(a.num_heads, a.num_kv_heads, a.head_dim)
+            elementwise = cpu_elementwise_ops()
+            if elementwise is not None:
+                self.model.enable_cpu_elementwise(elementwise)
             fused = cpu_decode_layers_op()
             if self.decode_attention is not None and self.model.packed_head is not None and fused:
                 self.model.enable_fused_decode(fused)

@@ -183,6 +183,15 @@ def cpu_decode_layers_op() -> Callable[..., torch.Tensor] | None:
     return None if ops is None else ops.decode_layers
 
 
+def cpu_elementwise_ops() -> tuple[Callable[..., torch.Tensor], Callable[..., tuple]] | None:
+    """(`silu_and_mul(gate_up, intermediate)`, `rope_qk(qkv, cos, sin, H, Hkv, D)`): the
+    decoder layer's activation and rope as one float32 pass each, for the Python layers
+    (prefill, LoRA batches), where torch's ops make 2 and 8 passes and as many temporaries
+    (csrc/decode_cpu.cpp); None if off."""
+    ops = _ops()
+    return None if ops is None else (ops.silu_and_mul, ops.rope_qk)
+
+
 def packed_gemm_fast() -> bool:
     """Whether the packed GEMM was built with AVX-512, the only ISA it is measured on (its
     register tile needs AVX-512's 32 registers); the engine packs its weights only then."""

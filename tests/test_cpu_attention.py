@@ -131,3 +131,35 @@ def test_fused_decode_layers_match_the_python_layers(tmp_path):
         model.fused_decode_op = op
     torch.testing.assert_close(fused, python, atol=1e-4, rtol=1e-4)
     assert not torch.equal(fused, torch.zeros_like(fused))
+
+
+def test_elementwise_ops_match_torch():
+    """csrc/decode_cpu.cpp's silu_and_mul (vectorised e^x) and rope_qk against torch's ops,
+    including lengths that are not a multiple of the 16-lane vectors and saturated inputs."""
+    import torch.nn.functional as F
+
+    from engine.models.llama import apply_rope
+    from kernels.cpu_kernel import cpu_elementwise_ops
+
+    ops = cpu_elementwise_ops()
+    if ops is None:
+        pytest.skip("the C++ CPU kernels are not built here")
+    silu_and_mul, rope_qk = ops
+    torch.manual_seed(0)
+    for t, i in ((1, 7), (33, 1536), (5, 40)):
+        gu = torch.randn(t, 2 * i) * 6
+        gu[0, : min(i, 4)] = torch.tensor([-100.0, 100.0, 0.0, -88.5])[: min(i, 4)]
+        ref = F.silu(gu[:, :i]) * gu[:, i:]
+        torch.testing.assert_close(silu_and_mul(gu, i), ref, rtol=2e-6, atol=1e-6)
+    h, hkv, d, t = 9, 3, 64, 17
+    qkv = torch.randn(t, (h + 2 * hkv) * d)
+    freqs = torch.arange(t)[:, None].float() * (1e4 ** (-torch.arange(0, d, 2) / d))[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    cos, sin = emb.cos(), emb.sin()
+    q, k = rope_qk(qkv, cos.view(t, d), sin.view(t, d), h, hkv, d)
+    q_ref = apply_rope(qkv[:, : h * d].view(t, h, d), cos, sin)
+    k_ref = apply_rope(qkv[:, h * d : (h + hkv) * d].view(t, hkv, d), cos, sin)
+    torch.testing.assert_close(q, q_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k, k_ref, rtol=1e-6, atol=1e-6)
+    with pytest.raises(RuntimeError, match="silu_and_mul"):
+        silu_and_mul(torch.randn(3, 10), 4)

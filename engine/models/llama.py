@@ -170,13 +170,18 @@ class Attention(nn.Module):
         self.o_proj = LoRALinear(q, [a.hidden_size])
         self.scale = a.head_dim**-0.5
         self.k_cache = self.v_cache = torch.empty(0)
+        self.rope_op = None  # LlamaForCausalLM.enable_cpu_elementwise
 
     def forward(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x, ctx).split(self.qkv_proj.out_sizes, dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        t, h, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x, ctx)
+        if self.rope_op is not None:  # one pass over q and k, no temporaries
+            q, k = self.rope_op(qkv, cos.view(t, d), sin.view(t, d), h, hkv, d)
+        else:
+            q, k, _ = qkv.split(self.qkv_proj.out_sizes, dim=-1)
+            q = apply_rope(q.view(t, h, d), cos, sin)
+            k = apply_rope(k.view(t, hkv, d), cos, sin)
+        v = qkv[:, (h + hkv) * d :].view(t, hkv, d)
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, ctx.attn, self.scale)
         return self.o_proj(o.reshape(t, -1), ctx)
 
@@ -186,9 +191,14 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = LoRALinear(a.hidden_size, [a.intermediate_size] * 2)
         self.down_proj = LoRALinear(a.intermediate_size, [a.hidden_size])
+        self.intermediate_size = a.intermediate_size
+        self.silu_and_mul_op = None  # LlamaForCausalLM.enable_cpu_elementwise
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, ctx).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x, ctx)
+        if self.silu_and_mul_op is not None:
+            return self.down_proj(self.silu_and_mul_op(gate_up, self.intermediate_size), ctx)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up, ctx)
 
 
@@ -246,6 +256,14 @@ class LlamaForCausalLM(nn.Module):
                 x = layer(x, cos, sin, ctx)
         # only the rows that need logits go on: the vocab projection dominates small batches
         return self.norm(x[rows])
+
+    def enable_cpu_elementwise(self, ops) -> None:
+        """Float32 on the CPU: the Python layers' rope and silu-and-mul as one C++ pass each
+        (kernels.cpu_kernel.cpu_elementwise_ops; prefill and LoRA batches run these layers)."""
+        silu_and_mul, rope_qk = ops
+        for layer in self.layers:
+            layer.self_attn.rope_op = rope_qk
+            layer.mlp.silu_and_mul_op = silu_and_mul
 
     def enable_fused_decode(self, op) -> None:
         """After pack_cpu_weights: run decode-only batches without LoRA through `op`

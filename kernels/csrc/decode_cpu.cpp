@@ -28,6 +28,7 @@
 
 #include "attention_cpu.h"
 #include "packed_cpu.h"
+#include "simd_cpu.h"
 
 namespace raylora {
 
@@ -35,11 +36,49 @@ namespace {
 
 constexpr int kPerLayer = 6;
 
+// silu(x) = x / (1 + e^-x), from e = e^-|x| (<= 1, vexp's range): x / (1 + e) for x >= 0,
+// x e / (1 + e) below. Within a few ulp of torch's F.silu.
+inline simd::v16 vsilu(simd::v16 x) {
+  using namespace simd;
+  const v16 zero = splat(0.f), one = splat(1.f);
+  const v16 e = vexp(x < zero ? x : -x);
+  return (x < zero ? x * e : x) / (one + e);
+}
+
+// silu(gu[:, :I]) * gu[:, I:] (F.silu(gate) * up), rows of gu contiguous, any T.
+at::Tensor silu_and_mul(const at::Tensor& gu, int64_t I) {
+  TORCH_CHECK(gu.dtype() == at::kFloat && gu.dim() == 2 && gu.size(1) == 2 * I &&
+                  gu.stride(1) == 1,
+              "silu_and_mul: float32 [T, 2 * I] with contiguous rows");
+  const int64_t T = gu.size(0), ld = gu.stride(0), vec = I - I % 16;
+  at::Tensor out = at::empty({T, I}, gu.options());
+  const float* g = gu.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float* gate = g + t * ld;
+      const float* up = gate + I;
+      float* y = o + t * I;
+      for (int64_t i = 0; i < vec; i += 16)
+        simd::store(y + i, vsilu(simd::load(gate + i)) * simd::load(up + i));
+      for (int64_t i = vec; i < I; ++i) y[i] = (gate[i] / (1.f + std::exp(-gate[i]))) * up[i];
+    }
+  });
+  return out;
+}
+
+// HF's rope (x * cos + rotate_half(x) * sin) of one head of D values.
+inline void rotate(const float* x, const float* ct, const float* st, float* y, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) y[i] = x[i] * ct[i] + (-x[i + half]) * st[i];
+  for (int64_t i = half; i < D; ++i) y[i] = x[i] * ct[i] + x[i - half] * st[i];
+}
+
 // q_out[t] = rope(qkv[t, :H*D]); the cache slot of token t gets rope(k) and v.
 void rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                     at::Tensor& q_out, at::Tensor& k_cache, at::Tensor& v_cache,
                     const at::Tensor& slots, int64_t H, int64_t Hkv, int64_t D) {
-  const int64_t T = qkv.size(0), width = qkv.size(1), half = D / 2;
+  const int64_t T = qkv.size(0), width = qkv.size(1);
   const float* src = qkv.data_ptr<float>();
   const float* c = cos.data_ptr<float>();
   const float* s = sin.data_ptr<float>();
@@ -47,39 +86,48 @@ void rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
   float* qo = q_out.data_ptr<float>();
   float* kc = k_cache.data_ptr<float>();
   float* vc = v_cache.data_ptr<float>();
-  auto rotate = [&](const float* x, const float* ct, const float* st, float* y) {
-    // HF: x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1)
-    for (int64_t i = 0; i < half; ++i) y[i] = x[i] * ct[i] + (-x[i + half]) * st[i];
-    for (int64_t i = half; i < D; ++i) y[i] = x[i] * ct[i] + x[i - half] * st[i];
-  };
   at::parallel_for(0, T, 1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const float* row = src + t * width;
       const float* ct = c + t * D;
       const float* st = s + t * D;
-      for (int64_t h = 0; h < H; ++h) rotate(row + h * D, ct, st, qo + (t * H + h) * D);
+      for (int64_t h = 0; h < H; ++h) rotate(row + h * D, ct, st, qo + (t * H + h) * D, D);
       float* kd = kc + sl[t] * Hkv * D;
       float* vd = vc + sl[t] * Hkv * D;
-      for (int64_t h = 0; h < Hkv; ++h) rotate(row + (H + h) * D, ct, st, kd + h * D);
+      for (int64_t h = 0; h < Hkv; ++h) rotate(row + (H + h) * D, ct, st, kd + h * D, D);
       std::copy(row + (H + Hkv) * D, row + (H + 2 * Hkv) * D, vd);
     }
   });
 }
 
-// silu(gu[:, :I]) * gu[:, I:], as torch computes F.silu(gate) * up.
-at::Tensor silu_and_mul(const at::Tensor& gu, int64_t I) {
-  const int64_t T = gu.size(0);
-  at::Tensor out = at::empty({T, I}, gu.options());
-  const float* g = gu.data_ptr<float>();
-  float* o = out.data_ptr<float>();
+// The prefill (Python layers) form of rope_and_cache: rope'd q [T, H, D] and k [T, Hkv, D]
+// from the packed qkv [T, (H + 2 Hkv) D] (rows contiguous), one pass, no temporaries.
+std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tensor& cos,
+                                           const at::Tensor& sin, int64_t H, int64_t Hkv,
+                                           int64_t D) {
+  TORCH_CHECK(qkv.dtype() == at::kFloat && qkv.dim() == 2 && qkv.stride(1) == 1 &&
+                  qkv.size(1) >= (H + 2 * Hkv) * D,
+              "rope_qk: float32 qkv [T, (H + 2 Hkv) D] with contiguous rows");
+  const int64_t T = qkv.size(0), ld = qkv.stride(0);
+  TORCH_CHECK(cos.dtype() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.size(0) == T && cos.size(-1) == D && sin.sizes() == cos.sizes(),
+              "rope_qk: contiguous float32 cos and sin [T, D]");
+  at::Tensor q = at::empty({T, H, D}, qkv.options());
+  at::Tensor k = at::empty({T, Hkv, D}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  float* qo = q.data_ptr<float>();
+  float* ko = k.data_ptr<float>();
   at::parallel_for(0, T, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t)
-      for (int64_t i = 0; i < I; ++i) {
-        const float x = g[t * 2 * I + i];
-        o[t * I + i] = (x / (1.f + std::exp(-x))) * g[t * 2 * I + I + i];
-      }
+    for (int64_t t = b; t < e; ++t) {
+      const float* row = src + t * ld;
+      for (int64_t h = 0; h < H; ++h) rotate(row + h * D, c + t * D, s + t * D, qo + (t * H + h) * D, D);
+      for (int64_t h = 0; h < Hkv; ++h)
+        rotate(row + (H + h) * D, c + t * D, s + t * D, ko + (t * Hkv + h) * D, D);
+    }
   });
-  return out;
+  return {q, k};
 }
 
 }  // namespace
@@ -138,6 +186,12 @@ TORCH_LIBRARY_FRAGMENT(raylora_cpu, m) {
       "decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, Tensor?[] biases, "
       "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor tables, Tensor lens, "
       "int[] dims, float eps, float scale) -> Tensor");
+  m.def("silu_and_mul(Tensor gate_up, int intermediate) -> Tensor");
+  m.def("rope_qk(Tensor qkv, Tensor cos, Tensor sin, int H, int Hkv, int D) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(raylora_cpu, CPU, m) { m.impl("decode_layers", &raylora::decode_layers); }
+TORCH_LIBRARY_IMPL(raylora_cpu, CPU, m) {
+  m.impl("decode_layers", &raylora::decode_layers);
+  m.impl("silu_and_mul", &raylora::silu_and_mul);
+  m.impl("rope_qk", &raylora::rope_qk);
+}
