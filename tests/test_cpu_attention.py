@@ -163,3 +163,41 @@ def test_elementwise_ops_match_torch():
     torch.testing.assert_close(k, k_ref, rtol=1e-6, atol=1e-6)
     with pytest.raises(RuntimeError, match="silu_and_mul"):
         silu_and_mul(torch.randn(3, 10), 4)
+
+
+@pytest.mark.timeout(600)
+def test_fused_decode_layers_with_lora_match_peft(tmp_path):
+    """LoRA decode batches through decode_layers (each linear linear_lora_packed, the route
+    the Python layers' CPU backend takes for them): PEFT's greedy tokens on the three-adapter
+    parity workload (deferrals, swaps), and the same tokens as with the Python layers."""
+    from tests.lora_fixtures import make_adapter_set
+    from tests.model_fixtures import make_tiny_llama
+    from tests.test_lora_engine import check_parity, parity_engine
+
+    path = str(
+        make_tiny_llama(
+            tmp_path / "m",
+            hidden_size=96,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=64,
+        )
+    )
+    adapters = {k: str(v) for k, v in make_adapter_set(path, tmp_path / "ad").items()}
+    engine = parity_engine(path)
+    model = engine.model_runner.model
+    if model.fused_decode_op is None:
+        pytest.skip("the C++ CPU kernels are not built on this machine")
+    calls = {"lora": 0}
+    op = model.fused_decode_op
+
+    def counting(*args):
+        calls["lora"] += args[-1] is not None  # segments: a LoRA batch
+        return op(*args)
+
+    model.fused_decode_op = counting
+    fused = check_parity(path, adapters, engine)
+    assert calls["lora"] > 0
+    python_engine = parity_engine(path)
+    python_engine.model_runner.model.fused_decode_op = None
+    assert check_parity(path, adapters, python_engine) == fused

@@ -16,6 +16,8 @@ from kernels import LoRABackend, LoRABatchMeta, SlotWeights, base_linear
 from kernels.packed_weight import PackedWeight
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# slot weight dtypes the C++ LoRA kernel reads (widened to fp32 in registers)
+_FUSED_LORA_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass
@@ -287,14 +289,42 @@ class LlamaForCausalLM(nn.Module):
         self.fused_dims = [a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size]
 
     def _fused_decode_applies(self, ctx: ForwardContext, num_tokens: int) -> bool:
+        """A decode-only batch, without LoRA or with a LoRA batch the C++ kernel takes (the
+        CPU backend's route for it: tokens grouped by slot, few a slot; fp32/bf16 slots)."""
         md = ctx.attn
         return (
             self.fused_decode_op is not None
             and md.decode_batch is not None
             and not md.prefills
             and md.decode_batch.rows.numel() == num_tokens
-            and (ctx.lora is None or ctx.lora.no_lora)
+            and (
+                ctx.lora is None
+                or ctx.lora.no_lora
+                or (
+                    getattr(ctx.lora_backend, "kernel_batch", False)
+                    and self.layers[0].mlp.down_proj.lora is not None
+                    and self.layers[0].mlp.down_proj.lora.a.dtype in _FUSED_LORA_DTYPES
+                )
+            )
         )
+
+    def _fused_lora(self, ctx: ForwardContext) -> tuple[list, list, torch.Tensor | None]:
+        """decode_layers' LoRA arguments: a and b_t of qkv, o, gate_up, down of every layer,
+        their ranks, the batch's segments; empty for a base batch."""
+        if ctx.lora is None or ctx.lora.no_lora:
+            return [], [], None
+        slots = [
+            lin.lora
+            for layer in self.layers
+            for lin in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            )
+        ]
+        weights = [t for w in slots for t in (w.a, w.b_t)]
+        return weights, [w.ranks for w in slots], ctx.lora.segments
 
     def _fused_decode(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
         md, attn = ctx.attn, [layer.self_attn for layer in self.layers]
@@ -312,6 +342,7 @@ class LlamaForCausalLM(nn.Module):
             [*self.fused_dims, md.block_size],
             self.args.rms_norm_eps,
             attn[0].scale,
+            *self._fused_lora(ctx),
         )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

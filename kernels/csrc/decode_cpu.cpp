@@ -1,5 +1,5 @@
 // raylora's CPU decode forward: every decoder layer of a Llama-family model, for a batch of
-// decode tokens without LoRA, in one call (float32, packed weights).
+// decode tokens, in one call (float32, packed weights; LoRA through lora_cpu.cpp's kernel).
 //
 // A decode step at small batches is dispatch-bound in Python: about 40 torch ops and a dozen
 // module calls per layer, ~25 ms of a 50 ms step of SmolLM2-135M at batch 1 here, against
@@ -18,6 +18,9 @@
 //   slots    [T] int64             each token's cache slot
 //   tables, lens                   attention_cpu.cpp's block tables and context lengths
 //   dims     [H, Hkv, D, intermediate, block_size]
+//   lora, lora_ranks, segments     none for a base batch; else a, b_t (8 per layer) and ranks
+//                                  (4 per layer) of qkv, o, gate_up, down, and the segments
+//                                  of the tokens grouped by slot (kernels/metadata.py)
 // Returns the hidden states after the last layer (before the final norm), [T, hidden].
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,6 +30,7 @@
 #include <vector>
 
 #include "attention_cpu.h"
+#include "lora_cpu.h"
 #include "packed_cpu.h"
 #include "simd_cpu.h"
 
@@ -136,7 +140,9 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at
                          at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slots,
                          const at::Tensor& tables, const at::Tensor& lens, at::IntArrayRef dims,
-                         double eps, double scale) {
+                         double eps, double scale, at::TensorList lora,
+                         const c10::List<std::optional<at::Tensor>>& lora_ranks,
+                         const std::optional<at::Tensor>& segments) {
   TORCH_CHECK(dims.size() == 5, "dims must be [H, Hkv, D, intermediate, block_size]");
   const int64_t H = dims[0], Hkv = dims[1], D = dims[2], I = dims[3], bs = dims[4];
   const int64_t L = static_cast<int64_t>(k_caches.size());
@@ -159,6 +165,22 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at
   const int64_t* sl = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(sl[t] >= 0 && sl[t] < k_caches[0].size(0), "slot ", sl[t], " out of the cache");
+  // LoRA (segments given): a and b_t of the four linears of every layer, qkv, o, gate_up,
+  // down, and their ranks; each linear is then linear_lora_packed, the base GEMM and every
+  // active slot's LoRA in one call, as the Python layers' CPU backend runs it.
+  const bool with_lora = segments.has_value();
+  TORCH_CHECK(!with_lora || (static_cast<int64_t>(lora.size()) == 8 * L &&
+                             static_cast<int64_t>(lora_ranks.size()) == 4 * L),
+              "decode_layers: LoRA needs a and b_t of 4 linears per layer and their ranks");
+  const std::vector<std::vector<int64_t>> widths = {
+      {H * D, Hkv * D, Hkv * D}, {hidden}, {I, I}, {hidden}};
+  auto linear = [&](const at::Tensor& in, const at::Tensor& w, int64_t l, int j, int64_t N,
+                    const std::optional<at::Tensor>& b) {
+    if (!with_lora) return linear_packed(in, w, N, b);
+    const int64_t k = l * 4 + j;
+    return linear_lora_packed(in, w, N, b, lora[2 * k], lora[2 * k + 1], *segments, widths[j],
+                              lora_ranks.get(k));
+  };
   const at::Tensor rows = at::arange(T, slots.options());
   at::Tensor x = x_in.contiguous().clone();
   for (int64_t l = 0; l < L; ++l) {
@@ -166,15 +188,15 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at
     at::Tensor kc = k_caches[l], vc = v_caches[l];
     at::Tensor h = at::rms_norm(x, {hidden}, w[0], eps);
     const std::optional<at::Tensor> bias = biases.get(l);
-    at::Tensor qkv = linear_packed(h, w[1], (H + 2 * Hkv) * D, bias);
+    at::Tensor qkv = linear(h, w[1], l, 0, (H + 2 * Hkv) * D, bias);
     at::Tensor q = at::empty({T, H, D}, x.options());
     rope_and_cache(qkv, cos, sin, q, kc, vc, slots, H, Hkv, D);
     at::Tensor o = at::empty({T, H, D}, x.options());
     paged_decode_attention(q, rows, kc, vc, tables, lens, bs, scale, o);
-    x.add_(linear_packed(o.view({T, H * D}), w[2], hidden, std::nullopt));
+    x.add_(linear(o.view({T, H * D}), w[2], l, 1, hidden, std::nullopt));
     h = at::rms_norm(x, {hidden}, w[3], eps);
-    at::Tensor act = silu_and_mul(linear_packed(h, w[4], 2 * I, std::nullopt), I);
-    x.add_(linear_packed(act, w[5], hidden, std::nullopt));
+    at::Tensor act = silu_and_mul(linear(h, w[4], l, 2, 2 * I, std::nullopt), I);
+    x.add_(linear(act, w[5], l, 3, hidden, std::nullopt));
   }
   return x;
 }
@@ -185,7 +207,8 @@ TORCH_LIBRARY_FRAGMENT(raylora_cpu, m) {
   m.def(
       "decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, Tensor?[] biases, "
       "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor tables, Tensor lens, "
-      "int[] dims, float eps, float scale) -> Tensor");
+      "int[] dims, float eps, float scale, Tensor[] lora, Tensor?[] lora_ranks, "
+      "Tensor? segments) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up, int intermediate) -> Tensor");
   m.def("rope_qk(Tensor qkv, Tensor cos, Tensor sin, int H, int Hkv, int D) -> (Tensor, Tensor)");
 }

@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include "linear_cpu.h"
+#include "lora_cpu.h"
 #include "packed_cpu.h"
 
 #include <algorithm>
@@ -256,6 +257,10 @@ at::Tensor linear_lora(const at::Tensor& x, const at::Tensor& weight,
   return y;
 }
 
+}  // namespace
+
+namespace raylora {
+
 // linear_lora on a packed weight (packed_cpu.cpp: the model's linears once loaded on the CPU).
 at::Tensor linear_lora_packed(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                               const std::optional<at::Tensor>& bias, const at::Tensor& a,
@@ -271,7 +276,7 @@ at::Tensor linear_lora_packed(const at::Tensor& x, const at::Tensor& packed, int
   return y;
 }
 
-}  // namespace
+}  // namespace raylora
 
 TORCH_LIBRARY_FRAGMENT(raylora_cpu, m) {
   m.def("lora_add(Tensor x, Tensor a, Tensor b_t, Tensor segments, int[] widths, Tensor? ranks, "
@@ -285,5 +290,5 @@ TORCH_LIBRARY_FRAGMENT(raylora_cpu, m) {
 TORCH_LIBRARY_IMPL(raylora_cpu, CPU, m) {
   m.impl("lora_add", &lora_add);
   m.impl("linear_lora", &linear_lora);
-  m.impl("linear_lora_packed", &linear_lora_packed);
+  m.impl("linear_lora_packed", &raylora::linear_lora_packed);
 }
