@@ -32,11 +32,19 @@ BATCHES = {
     "decode": [(0, 1), (1, 1), (2, 1)],  # every token an adapter's: the C++ kernel or addmm
     "decode_base_rows": [(0, 1), (2, 1), (-1, 2)],
     "decode_two_per_slot": [(0, 2), (2, 2)],
-    "prefill": [(0, 20), (2, 5)],  # 20 tokens a slot: past the C++ kernel's 16
+    "prefill": [(0, 20), (2, 5)],
     "prefill_base_rows": [(0, 3), (1, 18), (-1, 6)],
+    "past_the_kernel_cap": [(1, 4097), (-1, 3)],  # past _CPU_KERNEL_MAX_TOKENS: torch ops
     "unsorted": None,  # not grouped by slot (the per-call functions take such batches)
 }
-KERNEL_BATCHES = {"decode", "decode_base_rows", "decode_two_per_slot"}  # <= 16 a slot, sorted
+# sorted, at most _CPU_KERNEL_MAX_TOKENS (4,096) a slot: the C++ kernel
+KERNEL_BATCHES = {
+    "decode",
+    "decode_base_rows",
+    "decode_two_per_slot",
+    "prefill",
+    "prefill_base_rows",
+}
 
 
 def _slots(batch: str, gen: torch.Generator) -> torch.Tensor:

@@ -22,9 +22,15 @@ from kernels.backends import CPULoRABackend
 from kernels.packed_weight import PackedWeight
 from tests.lora_fixtures import cpu_kernel_mode
 
-# Layouts the C++ CPU kernel takes (grouped by slot, at most 16 tokens a slot); the others
-# (unsorted, or a long prefill segment) stay on torch ops.
-CPU_KERNEL_LAYOUTS = {"sorted_uniform", "sorted_uniform_one_slot", "sorted_uneven"}
+# Layouts the C++ CPU kernel takes (grouped by slot, up to kernels/backends/cpu.py's
+# _CPU_KERNEL_MAX_TOKENS a slot: prefill segments too); unsorted ones stay on torch ops.
+CPU_KERNEL_LAYOUTS = {
+    "sorted_uniform",
+    "sorted_uniform_one_slot",
+    "sorted_uniform_large",
+    "sorted_uneven",
+    "sorted_prefill_and_decode",
+}
 
 
 L, R = 6, 8  # slot 5 is never used: it holds NaN garbage
