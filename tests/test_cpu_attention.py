@@ -166,7 +166,8 @@ def test_elementwise_ops_match_torch():
 
 
 @pytest.mark.timeout(600)
-def test_fused_decode_layers_with_lora_match_peft(tmp_path):
+@pytest.mark.parametrize("lora_dtype", ["auto", "bfloat16"])
+def test_fused_decode_layers_with_lora_match_peft(tmp_path, lora_dtype):
     """LoRA decode batches through decode_layers (each linear linear_lora_packed, the route
     the Python layers' CPU backend takes for them): PEFT's greedy tokens on the three-adapter
     parity workload (deferrals, swaps), and the same tokens as with the Python layers."""
@@ -184,7 +185,8 @@ def test_fused_decode_layers_with_lora_match_peft(tmp_path):
         )
     )
     adapters = {k: str(v) for k, v in make_adapter_set(path, tmp_path / "ad").items()}
-    engine = parity_engine(path)
+    lora_round = torch.bfloat16 if lora_dtype == "bfloat16" else None  # the slots' values
+    engine = parity_engine(path, lora_dtype=lora_dtype)
     model = engine.model_runner.model
     if model.fused_decode_op is None:
         pytest.skip("the C++ CPU kernels are not built on this machine")
@@ -196,8 +198,8 @@ def test_fused_decode_layers_with_lora_match_peft(tmp_path):
         return op(*args)
 
     model.fused_decode_op = counting
-    fused = check_parity(path, adapters, engine)
+    fused = check_parity(path, adapters, engine, lora_round=lora_round)
     assert calls["lora"] > 0
-    python_engine = parity_engine(path)
+    python_engine = parity_engine(path, lora_dtype=lora_dtype)
     python_engine.model_runner.model.fused_decode_op = None
-    assert check_parity(path, adapters, python_engine) == fused
+    assert check_parity(path, adapters, python_engine, lora_round=lora_round) == fused
