@@ -172,7 +172,7 @@ def decode_rows(
 def decode_step(sd: StaticDecode, ordered: list[tuple[object, int]]) -> torch.Tensor:
     """The runner's decode step less the scheduler and sampler: stage, replay (or run
     eagerly), logits [n, vocab] fp32, greedy ids back on the host (the step's one sync)."""
-    _, hidden = sd.run(None, ordered)
+    _, hidden = sd.run(ordered)
     logits = sd.runner.model.compute_logits(hidden)
     logits.argmax(-1).tolist()  # the sync: a step ends when its ids are on the host
     return logits

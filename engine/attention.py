@@ -36,10 +36,11 @@ class PrefillChunk:
 
 @dataclass
 class DecodeBucket:
+    """Decode tokens of similar context length, one `sdpa_decode_attention` call a layer."""
+
     rows: torch.Tensor  # [B] rows of these decode tokens in the batch
-    block_ids: torch.Tensor  # [B * max_blocks] block tables, padded with block 0
-    max_blocks: int
-    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] True = attend
+    tables: torch.Tensor  # [B, max blocks] block tables, padded with block 0
+    lens: torch.Tensor  # [B] context lengths, the new token included
 
 
 @dataclass
@@ -131,15 +132,11 @@ def _decode_buckets(
     for i in range(0, len(decodes), size):
         group = decodes[i : i + size]
         max_blocks = -(-group[-1][1] // block_size)  # sorted: the last is the longest
-        tables = _padded_tables(group, max_blocks)
-        lens = torch.tensor([length for _, length, _ in group])
-        mask = torch.arange(max_blocks * block_size)[None, :] < lens[:, None]
         buckets.append(
             DecodeBucket(
                 rows=torch.tensor([r for r, _, _ in group], device=device),
-                block_ids=torch.tensor(tables, device=device).flatten(),
-                max_blocks=max_blocks,
-                mask=mask[:, None, None, :].to(device),
+                tables=torch.tensor(_padded_tables(group, max_blocks), device=device),
+                lens=torch.tensor([length for _, length, _ in group], device=device),
             )
         )
     return buckets
@@ -191,7 +188,7 @@ def paged_attention(
     k_cache[md.slot_mapping] = k
     v_cache[md.slot_mapping] = v
     out = torch.empty_like(q)
-    num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
     gqa = num_heads != num_kv_heads
     bs = md.block_size
     for c in md.prefills:
@@ -213,15 +210,6 @@ def paged_attention(
     if md.decode_batch is not None:
         d = md.decode_batch
         d.op(q, d.rows, k_cache, v_cache, d.tables, d.lens, bs, scale, out)
-    group = num_heads // num_kv_heads
     for b in md.decodes:
-        n = b.rows.numel()
-        # heads h = kv * group + g share kv head `kv` (HF's repeat_kv order)
-        qd = q.index_select(0, b.rows).view(n, num_kv_heads, group, head_dim)
-        kd = _gather_blocks(k_cache, b.block_ids, bs).view(n, -1, num_kv_heads, head_dim)
-        vd = _gather_blocks(v_cache, b.block_ids, bs).view(n, -1, num_kv_heads, head_dim)
-        o = F.scaled_dot_product_attention(
-            qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=b.mask, scale=scale
-        )  # [n, Hkv, group, D]
-        out[b.rows] = o.reshape(n, num_heads, head_dim)
+        sdpa_decode_attention(q, b.rows, k_cache, v_cache, b.tables, b.lens, bs, scale, out)
     return out

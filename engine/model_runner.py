@@ -206,7 +206,7 @@ class ModelRunner:
         ordered = order_by_slot(tagged)
         if self.static_decode is not None and self.static_decode.applies(out):
             self._step_fault()
-            seqs, hidden = self.static_decode.run(out, ordered)
+            seqs, hidden = self.static_decode.run(ordered)
             result = ModelRunnerOutput()
             self._sample_into(result, hidden, seqs)
             return result

@@ -80,7 +80,7 @@ class StaticDecode:
             for s in out.scheduled
         )
 
-    def run(self, out: SchedulerOutput, ordered: list[tuple[object, int]]) -> tuple[
+    def run(self, ordered: list[tuple[object, int]]) -> tuple[
         list[Sequence], torch.Tensor
     ]:
         """ordered: (ScheduledSeq, LoRA slot) in batch order (model_runner.order_by_slot).
@@ -100,12 +100,23 @@ class StaticDecode:
             hidden = self.runner.model.hidden_states(step.input_ids, step.positions, ctx, step.rows)
         return [s.seq for s, _ in ordered], hidden[: step.num_seqs]
 
-    def _context(self, step: DecodeStep, lora: bool) -> ForwardContext:
+    def _context(
+        self,
+        step: DecodeStep,
+        lora: bool,
+        attn: AttentionMetadata | None = None,
+        static_meta: StaticLoRAMeta | None = None,
+    ) -> ForwardContext:
+        """The step's context: a new one each forward (the backend's per-step route is decided
+        from its meta). static_meta: regrouped in place from the staged slots (graphs on the
+        Triton backend); else, with LoRA, a host-side LoRABatchMeta built from them."""
         meta = None
-        if lora:
+        if static_meta is not None:
+            meta = static_meta.update_(step.token_slots)
+        elif lora:
             meta = LoRABatchMeta.build(step.token_slots, self.runner.config.max_loras)
         return ForwardContext(
-            attn=self._attention(step), lora=meta, lora_backend=self.runner.lora_backend
+            attn=attn or self._attention(step), lora=meta, lora_backend=self.runner.lora_backend
         )
 
     def _attention(self, step: DecodeStep) -> AttentionMetadata:
@@ -132,13 +143,7 @@ class StaticDecode:
             static_meta = StaticLoRAMeta.allocate(size, runner.config.max_loras, runner.device)
 
         def forward() -> torch.Tensor:
-            meta = None
-            if static_meta is not None:
-                meta = static_meta.update_(step.token_slots)
-            elif lora:
-                meta = LoRABatchMeta.build(step.token_slots, runner.config.max_loras)
-            # a new context each run: the backend's per-step route is decided from this meta
-            ctx = ForwardContext(attn=attn, lora=meta, lora_backend=runner.lora_backend)
+            ctx = self._context(step, lora, attn, static_meta)
             return model.hidden_states(step.input_ids, step.positions, ctx, step.rows)
 
         return forward

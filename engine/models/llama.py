@@ -273,6 +273,8 @@ class LlamaForCausalLM(nn.Module):
         kernels; csrc/decode_cpu.cpp says why)."""
         a = self.args
         self.fused_decode_op = op
+        # qkv, o, gate_up, down of each layer in turn: decode_layers' order of LoRA arguments
+        self.fused_lora_linears = list(self.lora_linears().values())
         self.fused_weights = [
             w
             for layer in self.layers
@@ -313,16 +315,7 @@ class LlamaForCausalLM(nn.Module):
         their ranks, the batch's segments; empty for a base batch."""
         if ctx.lora is None or ctx.lora.no_lora:
             return [], [], None
-        slots = [
-            lin.lora
-            for layer in self.layers
-            for lin in (
-                layer.self_attn.qkv_proj,
-                layer.self_attn.o_proj,
-                layer.mlp.gate_up_proj,
-                layer.mlp.down_proj,
-            )
-        ]
+        slots = [lin.lora for lin in self.fused_lora_linears]
         weights = [t for w in slots for t in (w.a, w.b_t)]
         return weights, [w.ranks for w in slots], ctx.lora.segments
 
