@@ -140,7 +140,7 @@ def graphed(engine: LLMEngine) -> StaticDecode:
         assert runner.static_decode is not None and runner.static_decode.graphs is not None
         return runner.static_decode
     runner.decode_attention = paged_decode_attention_op
-    runner.model.fused_decode_op = None
+    runner.model.fused_layers_op = None
     sizes = capture_sizes(cfg.max_num_seqs)
     sd = StaticDecode(runner, paged_decode_attention_op, cfg.max_model_len, EagerGraph, sizes)
     runner.static_decode = sd

@@ -10,10 +10,13 @@ query-length dimension (q: [B, Hkv, group, D]) so SDPA does a small matmul, not 
 matrix-vector product per head. Prefill chunks run one SDPA call each (a chunk attends to
 its cached prefix plus itself, causally).
 
-A float32 CPU model with the C++ kernels reads the decode tokens' KV in place instead
-(`raylora_cpu::paged_decode_attention`, kernels/csrc/attention_cpu.cpp: no gather, no
-padding, no mask; one call per layer for every decode token): `AttentionMetadata.build(...,
-decode_kernel=op)` then fills `decode_batch` instead of the buckets.
+A float32 CPU model with the C++ kernels reads the KV in place instead, one call per layer
+for every decode token (`raylora_cpu::paged_decode_attention`, kernels/csrc/attention_cpu.cpp:
+no gather, no padding, no mask) and one for every prefill chunk
+(`raylora_cpu::paged_prefill_attention`, kernels/csrc/prefill_attention_cpu.cpp: causal
+flash attention over the chunk's cached prefix and itself): `AttentionMetadata.build(...,
+decode_kernel=op, prefill_kernel=op)` then fills `decode_batch` and `prefill_batch` instead of
+the buckets and the per-chunk SDPA calls.
 """
 
 from collections.abc import Callable
@@ -54,12 +57,26 @@ class DecodeBatch:
 
 
 @dataclass
+class PrefillBatch:
+    """Every prefill chunk of the batch, for the C++ kernel (read in place, causal)."""
+
+    op: Callable[..., None]  # raylora_cpu::paged_prefill_attention
+    chunks: torch.Tensor  # [C, 3] int64: first row in the batch, tokens, first position
+    tables: torch.Tensor  # [C, max blocks] int32 block tables, padded with block 0
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
     block_size: int
     prefills: list[PrefillChunk] = field(default_factory=list)
     decodes: list[DecodeBucket] = field(default_factory=list)
     decode_batch: DecodeBatch | None = None
+    prefill_batch: PrefillBatch | None = None
+
+    @property
+    def has_prefill(self) -> bool:
+        return bool(self.prefills) or self.prefill_batch is not None
 
     @staticmethod
     def build(
@@ -67,13 +84,16 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device,
         decode_kernel: Callable[..., None] | None = None,
+        prefill_kernel: Callable[..., None] | None = None,
     ) -> "AttentionMetadata":
         """seq_specs: per scheduled sequence (num_computed_tokens, num_new_tokens, block_table),
-        in batch order. decode_kernel: the C++ decode attention (cpu_decode_attention_op) for
-        the decode tokens, or None for the SDPA buckets."""
+        in batch order. decode_kernel / prefill_kernel: the C++ attention
+        (cpu_decode_attention_op / cpu_prefill_attention_op) for the decode tokens / the
+        prefill chunks, or None for SDPA."""
         slots: list[int] = []
         decodes: list[tuple[int, int, list[int]]] = []  # (row, context length, block table)
         prefills: list[PrefillChunk] = []
+        kernel_chunks: list[tuple[int, int, int, list[int]]] = []  # (row, n, start, table)
         row = 0
         for start, n, table in seq_specs:
             slots.extend(
@@ -82,6 +102,8 @@ class AttentionMetadata:
             )
             if n == 1 and start > 0:
                 decodes.append((row, start + 1, table))
+            elif prefill_kernel is not None:
+                kernel_chunks.append((row, n, start, table))
             else:
                 block_ids = mask = None
                 if start > 0:
@@ -93,6 +115,8 @@ class AttentionMetadata:
             row += n
         md = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), block_size)
         md.prefills = prefills
+        if kernel_chunks:
+            md.prefill_batch = _prefill_batch(prefill_kernel, kernel_chunks, block_size, device)
         if decode_kernel is not None and decodes:
             md.decode_batch = _decode_batch(decode_kernel, decodes, block_size, device)
         else:
@@ -112,6 +136,21 @@ def _decode_batch(
         rows=torch.tensor([r for r, _, _ in decodes], dtype=torch.long, device=device),
         tables=torch.tensor(_padded_tables(decodes, width), dtype=torch.int32, device=device),
         lens=torch.tensor([length for _, length, _ in decodes], dtype=torch.int32, device=device),
+    )
+
+
+def _prefill_batch(
+    op: Callable[..., None],
+    chunks: list[tuple[int, int, int, list[int]]],
+    block_size: int,
+    device: torch.device,
+) -> PrefillBatch:
+    width = max(-(-(start + n) // block_size) for _, n, start, _ in chunks)
+    tables = [t[:width] + [0] * (width - min(len(t), width)) for *_, t in chunks]
+    return PrefillBatch(
+        op=op,
+        chunks=torch.tensor([c[:3] for c in chunks], dtype=torch.long, device=device),
+        tables=torch.tensor(tables, dtype=torch.int32, device=device),
     )
 
 
@@ -207,6 +246,9 @@ def paged_attention(
                 qc, kc, vc, attn_mask=c.mask, scale=scale, enable_gqa=gqa
             )
         out[rows] = o[0].transpose(0, 1)
+    if md.prefill_batch is not None:
+        p = md.prefill_batch
+        p.op(q, k_cache, v_cache, p.chunks, p.tables, bs, scale, out)
     if md.decode_batch is not None:
         d = md.decode_batch
         d.op(q, d.rows, k_cache, v_cache, d.tables, d.lens, bs, scale, out)

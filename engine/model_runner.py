@@ -24,9 +24,10 @@ from engine.static_decode import StaticDecode
 from kernels import LoRABatchMeta, lora_backend_name, make_lora_backend
 from kernels.cpu_kernel import (
     cpu_decode_attention_op,
-    cpu_decode_layers_op,
     cpu_elementwise_ops,
+    cpu_forward_layers_op,
     cpu_lora_op,
+    cpu_prefill_attention_op,
     packed_gemm_fast,
 )
 from kernels.paged_attention import paged_decode_attention_op
@@ -124,17 +125,25 @@ class ModelRunner:
         # decode attention that reads the paged KV in place: the Triton kernel on CUDA, the C++
         # one for float32 on the CPU; else SDPA over gathered blocks
         self.decode_attention = None
+        self.prefill_attention = None  # the C++ one for float32 on the CPU; else SDPA
         if self.device.type == "cuda":
             self.decode_attention = paged_decode_attention_op
         if self.device.type == "cpu" and self.dtype == torch.float32:
             a = self.args
-            self.decode_attention = cpu_decode_attention_op(a.num_heads, a.num_kv_heads, a.head_dim)
+            heads = (a.num_heads, a.num_kv_heads, a.head_dim)
+            self.decode_attention = cpu_decode_attention_op(*heads)
+            self.prefill_attention = cpu_prefill_attention_op(*heads)
             elementwise = cpu_elementwise_ops()
             if elementwise is not None:
                 self.model.enable_cpu_elementwise(elementwise)
-            fused = cpu_decode_layers_op()
-            if self.decode_attention is not None and self.model.packed_head is not None and fused:
-                self.model.enable_fused_decode(fused)
+            fused = cpu_forward_layers_op()
+            if (
+                self.decode_attention is not None
+                and self.prefill_attention is not None
+                and self.model.packed_head is not None
+                and fused is not None
+            ):
+                self.model.enable_fused_layers(fused)
 
     def _kv_bytes_per_block(self) -> int:
         a = self.args
@@ -232,7 +241,9 @@ class ModelRunner:
                 torch.tensor(token_slots, dtype=torch.int32, device=dev), self.config.max_loras
             )
         ctx = ForwardContext(
-            attn=AttentionMetadata.build(specs, self.block_size, dev, self.decode_attention),
+            attn=AttentionMetadata.build(
+                specs, self.block_size, dev, self.decode_attention, self.prefill_attention
+            ),
             lora=lora_meta,
             lora_backend=self.lora_backend,
         )

@@ -1,5 +1,5 @@
 """raylora's C++ CPU kernels (kernels/csrc/: lora_cpu.cpp, linear_cpu.cpp, packed_cpu.cpp,
-attention_cpu.cpp, decode_cpu.cpp),
+attention_cpu.cpp, prefill_attention_cpu.cpp, layers_cpu.cpp),
 built on first use with torch's cpp_extension (g++ and ninja) and cached on disk; None where
 they cannot be built.
 
@@ -48,7 +48,8 @@ _SOURCES = [
         "linear_cpu.cpp",
         "packed_cpu.cpp",
         "attention_cpu.cpp",
-        "decode_cpu.cpp",
+        "prefill_attention_cpu.cpp",
+        "layers_cpu.cpp",
     )
 ]
 _lock = threading.Lock()
@@ -175,19 +176,33 @@ def cpu_decode_attention_op(
     return ops.paged_decode_attention
 
 
-def cpu_decode_layers_op() -> Callable[..., torch.Tensor] | None:
-    """`decode_layers(x, cos, sin, weights, biases, k_caches, v_caches, slots, tables, lens,
-    dims, eps, scale)`: every decoder layer of a decode batch without LoRA in one call
-    (csrc/decode_cpu.cpp; packed float32 weights); None if off."""
+def cpu_prefill_attention_op(
+    num_heads: int, num_kv_heads: int, head_dim: int
+) -> Callable[..., None] | None:
+    """`paged_prefill_attention(q, k_cache, v_cache, chunks, tables, bs, scale, out)`: float32
+    causal attention of prefill chunks over the paged KV cache, read in place
+    (csrc/prefill_attention_cpu.cpp; chunks [C, 3] int64 = first row, tokens, first position);
+    None if off or if it has no build for these head counts and head_dim."""
     ops = _ops()
-    return None if ops is None else ops.decode_layers
+    if ops is None or not ops.prefill_attention_supported(num_heads, num_kv_heads, head_dim):
+        return None
+    return ops.paged_prefill_attention
+
+
+def cpu_forward_layers_op() -> Callable[..., torch.Tensor] | None:
+    """`forward_layers(x, cos, sin, weights, biases, k_caches, v_caches, slots, decode_rows,
+    decode_tables, decode_lens, prefill_chunks, prefill_tables, dims, eps, scale, lora,
+    lora_ranks, segments)`: every decoder layer of a batch of decode tokens and prefill chunks
+    in one call (csrc/layers_cpu.cpp; packed float32 weights); None if off."""
+    ops = _ops()
+    return None if ops is None else ops.forward_layers
 
 
 def cpu_elementwise_ops() -> tuple[Callable[..., torch.Tensor], Callable[..., tuple]] | None:
     """(`silu_and_mul(gate_up, intermediate)`, `rope_qk(qkv, cos, sin, H, Hkv, D)`): the
     decoder layer's activation and rope as one float32 pass each, for the Python layers
     (prefill, LoRA batches), where torch's ops make 2 and 8 passes and as many temporaries
-    (csrc/decode_cpu.cpp); None if off."""
+    (csrc/layers_cpu.cpp); None if off."""
     ops = _ops()
     return None if ops is None else (ops.silu_and_mul, ops.rope_qk)
 

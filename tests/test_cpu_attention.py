@@ -99,7 +99,7 @@ def test_engine_with_decode_attention_matches_hf(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_fused_decode_layers_match_the_python_layers(tmp_path):
-    """decode_layers (csrc/decode_cpu.cpp, every layer in one call) against the model's own
+    """forward_layers (csrc/layers_cpu.cpp, every layer in one call) against the model's own
     Python layers on the same decode batch: the same logits within float rounding."""
     import random
 
@@ -112,7 +112,7 @@ def test_fused_decode_layers_match_the_python_layers(tmp_path):
     )
     engine = LLMEngine(EngineConfig(model=str(path), block_size=4, enable_lora=False))
     model = engine.model_runner.model
-    if model.fused_decode_op is None:
+    if model.fused_layers_op is None:
         pytest.skip("the C++ CPU kernels are not built on this machine")
     rng = random.Random(0)
     for i, n in enumerate((3, 17, 40, 90)):
@@ -124,17 +124,17 @@ def test_fused_decode_layers_match_the_python_layers(tmp_path):
     engine.step()
     forward = bare_decode_forward(engine)
     fused = forward()
-    op, model.fused_decode_op = model.fused_decode_op, None
+    op, model.fused_layers_op = model.fused_layers_op, None
     try:
         python = forward()
     finally:
-        model.fused_decode_op = op
+        model.fused_layers_op = op
     torch.testing.assert_close(fused, python, atol=1e-4, rtol=1e-4)
     assert not torch.equal(fused, torch.zeros_like(fused))
 
 
 def test_elementwise_ops_match_torch():
-    """csrc/decode_cpu.cpp's silu_and_mul (vectorised e^x) and rope_qk against torch's ops,
+    """csrc/layers_cpu.cpp's silu_and_mul (vectorised e^x) and rope_qk against torch's ops,
     including lengths that are not a multiple of the 16-lane vectors and saturated inputs."""
     import torch.nn.functional as F
 
@@ -168,7 +168,7 @@ def test_elementwise_ops_match_torch():
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("lora_dtype", ["auto", "bfloat16"])
 def test_fused_decode_layers_with_lora_match_peft(tmp_path, lora_dtype):
-    """LoRA decode batches through decode_layers (each linear linear_lora_packed, the route
+    """LoRA decode batches through forward_layers (each linear linear_lora_packed, the route
     the Python layers' CPU backend takes for them): PEFT's greedy tokens on the three-adapter
     parity workload (deferrals, swaps), and the same tokens as with the Python layers."""
     from tests.lora_fixtures import make_adapter_set
@@ -188,18 +188,18 @@ def test_fused_decode_layers_with_lora_match_peft(tmp_path, lora_dtype):
     lora_round = torch.bfloat16 if lora_dtype == "bfloat16" else None  # the slots' values
     engine = parity_engine(path, lora_dtype=lora_dtype)
     model = engine.model_runner.model
-    if model.fused_decode_op is None:
+    if model.fused_layers_op is None:
         pytest.skip("the C++ CPU kernels are not built on this machine")
     calls = {"lora": 0}
-    op = model.fused_decode_op
+    op = model.fused_layers_op
 
     def counting(*args):
         calls["lora"] += args[-1] is not None  # segments: a LoRA batch
         return op(*args)
 
-    model.fused_decode_op = counting
+    model.fused_layers_op = counting
     fused = check_parity(path, adapters, engine, lora_round=lora_round)
     assert calls["lora"] > 0
     python_engine = parity_engine(path, lora_dtype=lora_dtype)
-    python_engine.model_runner.model.fused_decode_op = None
+    python_engine.model_runner.model.fused_layers_op = None
     assert check_parity(path, adapters, python_engine, lora_round=lora_round) == fused

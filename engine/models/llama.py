@@ -228,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)
         self.packed_head: PackedWeight | None = None  # pack_cpu_weights
-        self.fused_decode_op = None  # enable_fused_decode
+        self.fused_layers_op = None  # enable_fused_layers
         self.register_buffer("inv_freq", rope_inv_freq(a), persistent=False)
 
     def forward(
@@ -251,8 +251,8 @@ class LlamaForCausalLM(nn.Module):
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        if self._fused_decode_applies(ctx, x.shape[0]):
-            x = self._fused_decode(x, cos, sin, ctx)
+        if self._fused_applies(ctx):
+            x = self._fused_layers(x, cos, sin, ctx)
         else:
             for layer in self.layers:
                 x = layer(x, cos, sin, ctx)
@@ -267,13 +267,14 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.rope_op = rope_qk
             layer.mlp.silu_and_mul_op = silu_and_mul
 
-    def enable_fused_decode(self, op) -> None:
-        """After pack_cpu_weights: run decode-only batches without LoRA through `op`
-        (kernels.cpu_kernel.cpu_decode_layers_op: every layer in one C++ call, the same
-        kernels; csrc/decode_cpu.cpp says why)."""
+    def enable_fused_layers(self, op) -> None:
+        """After pack_cpu_weights: run batches whose attention the C++ kernels take (decode
+        tokens and prefill chunks, in any mix), without LoRA or with a LoRA batch the C++
+        kernel takes, through `op` (kernels.cpu_kernel.cpu_forward_layers_op: every layer in
+        one C++ call, the same kernels; csrc/layers_cpu.cpp says why)."""
         a = self.args
-        self.fused_decode_op = op
-        # qkv, o, gate_up, down of each layer in turn: decode_layers' order of LoRA arguments
+        self.fused_layers_op = op
+        # qkv, o, gate_up, down of each layer in turn: forward_layers' order of LoRA arguments
         self.fused_lora_linears = list(self.lora_linears().values())
         self.fused_weights = [
             w
@@ -290,15 +291,16 @@ class LlamaForCausalLM(nn.Module):
         self.fused_biases = [layer.self_attn.qkv_proj.bias for layer in self.layers]
         self.fused_dims = [a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size]
 
-    def _fused_decode_applies(self, ctx: ForwardContext, num_tokens: int) -> bool:
-        """A decode-only batch, without LoRA or with a LoRA batch the C++ kernel takes (the
-        CPU backend's route for it: tokens grouped by slot, few a slot; fp32/bf16 slots)."""
+    def _fused_applies(self, ctx: ForwardContext) -> bool:
+        """Every row's attention on the C++ kernels (no SDPA buckets or chunks), and no LoRA or
+        a LoRA batch the C++ kernel takes (the CPU backend's route for it: tokens grouped by
+        slot, at most its cap a slot; fp32/bf16 slots)."""
         md = ctx.attn
         return (
-            self.fused_decode_op is not None
-            and md.decode_batch is not None
+            self.fused_layers_op is not None
             and not md.prefills
-            and md.decode_batch.rows.numel() == num_tokens
+            and not md.decodes
+            and (md.decode_batch is not None or md.prefill_batch is not None)
             and (
                 ctx.lora is None
                 or ctx.lora.no_lora
@@ -311,7 +313,7 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def _fused_lora(self, ctx: ForwardContext) -> tuple[list, list, torch.Tensor | None]:
-        """decode_layers' LoRA arguments: a and b_t of qkv, o, gate_up, down of every layer,
+        """forward_layers' LoRA arguments: a and b_t of qkv, o, gate_up, down of every layer,
         their ranks, the batch's segments; empty for a base batch."""
         if ctx.lora is None or ctx.lora.no_lora:
             return [], [], None
@@ -319,9 +321,10 @@ class LlamaForCausalLM(nn.Module):
         weights = [t for w in slots for t in (w.a, w.b_t)]
         return weights, [w.ranks for w in slots], ctx.lora.segments
 
-    def _fused_decode(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
+    def _fused_layers(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
         md, attn = ctx.attn, [layer.self_attn for layer in self.layers]
-        return self.fused_decode_op(
+        d, p = md.decode_batch, md.prefill_batch
+        return self.fused_layers_op(
             x,
             cos[:, 0].contiguous(),
             sin[:, 0].contiguous(),
@@ -330,8 +333,8 @@ class LlamaForCausalLM(nn.Module):
             [a.k_cache for a in attn],
             [a.v_cache for a in attn],
             md.slot_mapping,
-            md.decode_batch.tables,
-            md.decode_batch.lens,
+            *((d.rows, d.tables, d.lens) if d is not None else (None, None, None)),
+            *((p.chunks, p.tables) if p is not None else (None, None)),
             [*self.fused_dims, md.block_size],
             self.args.rms_norm_eps,
             attn[0].scale,

@@ -49,11 +49,9 @@ constexpr int64_t kChunk = 256;  // context positions per work item
 // attention's bandwidth with it).
 constexpr int64_t kAhead = 16;
 
-inline void prefetch_row(const float* cache, const int32_t* table, int64_t t, int64_t end,
-                         int64_t bs, int64_t row) {
-  if (t >= end) return;
-  const char* p = reinterpret_cast<const char*>(cache + (int64_t{table[t / bs]} * bs + t % bs) * row);
-  for (int64_t b = 0; b < row * 4; b += 64) __builtin_prefetch(p + b, 0, 2);
+inline void prefetch_row(const float* p, int64_t row) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < row * 4; b += 64) __builtin_prefetch(c + b, 0, 2);
 }
 
 struct Geometry {
@@ -92,15 +90,23 @@ void item(const Geometry& geo, const float* q, const float* kc, const float* vc,
   const int64_t D = geo.D, Hkv = geo.Hkv, H = geo.H, len = t1 - t0, row = Hkv * D;
   const int64_t ld = kChunk + 16, padded = (len + 15) / 16 * 16;
   v16* part = reinterpret_cast<v16*>(s + H * ld);  // [H][16] q . k partial vectors
+  // each position's cache row offset, walking the block table (no division per position)
+  int64_t at[kChunk];
+  for (int64_t i = 0, blk = t0 / geo.bs, off = t0 % geo.bs; i < len; ++i) {
+    at[i] = (int64_t{table[blk]} * geo.bs + off) * row;
+    if (++off == geo.bs) off = 0, ++blk;
+  }
   for (int64_t i0 = 0; i0 < padded; i0 += 16) {
     for (int64_t i = i0; i < i0 + 16; ++i) {
       if (i >= len) {
         for (int64_t hg = 0; hg < H; ++hg) part[hg * 16 + (i - i0)] = v16{};
         continue;
       }
-      const int64_t t = t0 + i;
-      const float* kp = kc + (int64_t{table[t / geo.bs]} * geo.bs + t % geo.bs) * row;
-      prefetch_row(kc, table, t + kAhead, t1, geo.bs, row);
+      const float* kp = kc + at[i];
+      if (i + kAhead < len) {  // V too: its pass below then finds the chunk in L2
+        prefetch_row(kc + at[i + kAhead], row);
+        prefetch_row(vc + at[i + kAhead], row);
+      }
       for (int64_t h = 0; h < Hkv; ++h) {
         v16 kv[DV];
         for (int j = 0; j < DV; ++j) kv[j] = load(kp + h * D + j * 16);
@@ -138,9 +144,7 @@ void item(const Geometry& geo, const float* q, const float* kc, const float* vc,
   for (int64_t h = 0; h < Hkv; ++h) {
     v16 o[G][DV] = {};
     for (int64_t i = 0; i < len; ++i) {
-      const int64_t t = t0 + i;
-      const float* vp = vc + (int64_t{table[t / geo.bs]} * geo.bs + t % geo.bs) * row;
-      if (h == 0) prefetch_row(vc, table, t + kAhead, t1, geo.bs, row);
+      const float* vp = vc + at[i];
       v16 vv[DV];
       for (int j = 0; j < DV; ++j) vv[j] = load(vp + h * D + j * 16);
       for (int g = 0; g < G; ++g) {

@@ -1,4 +1,5 @@
-// raylora's CPU paged decode attention (attention_cpu.cpp), for decode_cpu.cpp.
+// raylora's CPU paged attention: decode (attention_cpu.cpp) and prefill chunks
+// (prefill_attention_cpu.cpp), for layers_cpu.cpp.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -10,5 +11,12 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& rows, const a
                             const at::Tensor& v_cache, const at::Tensor& tables,
                             const at::Tensor& lens, int64_t block_size, double scale,
                             at::Tensor& out);
+
+// out[chunk rows] = causal softmax(q k^T * scale) v of each prefill chunk over its paged
+// context (prefill_attention_cpu.cpp); chunks [C, 3] = (first row, tokens, first position).
+void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& chunks,
+                             const at::Tensor& tables, int64_t block_size, double scale,
+                             at::Tensor& out);
 
 }  // namespace raylora

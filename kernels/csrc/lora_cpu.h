@@ -1,4 +1,4 @@
-// raylora's CPU LoRA kernel (lora_cpu.cpp), for decode_cpu.cpp's decoder layers.
+// raylora's CPU LoRA kernel (lora_cpu.cpp), for layers_cpu.cpp's decoder layers.
 #pragma once
 
 #include <ATen/ATen.h>

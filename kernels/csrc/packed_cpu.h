@@ -1,5 +1,5 @@
 // raylora's packed-weight CPU GEMM (packed_cpu.cpp), for lora_cpu.cpp's linear_lora_packed and
-// decode_cpu.cpp's decoder layers.
+// layers_cpu.cpp's decoder layers.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -19,6 +19,11 @@ const float* check_packed(const at::Tensor& x, const at::Tensor& packed, int64_t
 // y[:, panels p0..p1) = x @ W^T (+ bias) for a checked call; y [T, N] float32, rows contiguous.
 void packed_panels(const at::Tensor& x, const at::Tensor& packed, const float* bias,
                    at::Tensor& y, int64_t p0, int64_t p1);
+
+// y = x @ W^T (+ bias) for a checked call, into y [T, N] (rows contiguous), the panels split
+// between the threads.
+void linear_packed_into(const at::Tensor& x, const at::Tensor& packed, const float* bias,
+                        at::Tensor& y);
 
 // y = x @ W^T (+ bias) on a packed weight, the panels split between the threads.
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t N,

@@ -1,5 +1,5 @@
 // 16-lane float vectors (GCC vector extensions: AVX-512 registers under -march=native) and the
-// vectorised e^x that attention_cpu.cpp's softmax and decode_cpu.cpp's silu share.
+// vectorised e^x that attention_cpu.cpp's softmax and layers_cpu.cpp's silu share.
 #pragma once
 
 #include <cstring>

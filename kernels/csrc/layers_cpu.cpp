@@ -1,0 +1,313 @@
+// raylora's CPU forward: every decoder layer of a Llama-family model, for a batch of decode
+// tokens and prefill chunks in any mix, in one call (float32, packed weights; LoRA through
+// lora_cpu.cpp's kernel).
+//
+// Through the Python layers a step is dispatch-bound at small batches (about 40 torch ops
+// and a dozen module calls per layer: ~25 ms of a 50 ms step of SmolLM2-135M at batch 1
+// here, against ~25 ms for reading the weights) and allocation-bound at large ones (each op's
+// output a fresh tensor: a 2,048-token step's activations are 10-25 MB apiece, whose pages
+// the kernel zeroes on first touch). Here each layer is a few calls from C++ into buffers
+// allocated once per call: the packed GEMMs, the residual add fused with the next RMSNorm,
+// rope fused with the KV cache write, the decode and prefill attention (both read the paged
+// cache in place), silu-and-mul in one loop. The outputs are engine/models/llama.py's forward's
+// within float rounding (the fused loops may contract a multiply-add that torch rounds twice,
+// and sum squares in another order; tests compare the two paths and both against HF).
+//
+//   x        [T, hidden]           embeddings of the batch's tokens (not modified)
+//   cos, sin [T, D]                rope of each token's position (HF's rotate_half layout)
+//   weights  6 per layer           input_layernorm, qkv (packed), o (packed),
+//                                  post_attention_layernorm, gate_up (packed), down (packed)
+//   biases   1 per layer           the qkv bias (Qwen2) or None
+//   k_caches, v_caches             [S, Hkv, D] per layer
+//   slots    [T] int64             each token's cache slot
+//   decode   rows [N] int64, tables [N, M] int32, lens [N] int32: the decode tokens
+//            (attention_cpu.cpp), or None
+//   prefill  chunks [C, 3] int64, tables [C, M'] int32: the prefill chunks
+//            (prefill_attention_cpu.cpp), or None; decode rows and chunks cover the T rows
+//   dims     [H, Hkv, D, intermediate, block_size]
+//   lora, lora_ranks, segments     none for a base batch; else a, b_t (8 per layer) and ranks
+//                                  (4 per layer) of qkv, o, gate_up, down, and the segments
+//                                  of the tokens grouped by slot (kernels/metadata.py)
+// Returns the hidden states after the last layer (before the final norm), [T, hidden].
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+#include "attention_cpu.h"
+#include "lora_cpu.h"
+#include "packed_cpu.h"
+#include "simd_cpu.h"
+
+namespace raylora {
+
+namespace {
+
+constexpr int kPerLayer = 6;
+
+// Rows per thread of the elementwise loops: at decode's few rows a parallel region costs more
+// than the loop (measured: add_rms_norm took ~130 us a call at 64 x 576 split in four), so
+// they split only past 2^18 elements.
+inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, (1 << 18) / row_elems); }
+
+// silu(x) = x / (1 + e^-x), from e = e^-|x| (<= 1, vexp's range): x / (1 + e) for x >= 0,
+// x e / (1 + e) below. Within a few ulp of torch's F.silu.
+inline simd::v16 vsilu(simd::v16 x) {
+  using namespace simd;
+  const v16 zero = splat(0.f), one = splat(1.f);
+  const v16 e = vexp(x < zero ? x : -x);
+  return (x < zero ? x * e : x) / (one + e);
+}
+
+// out = silu(gu[:, :I]) * gu[:, I:] (F.silu(gate) * up), rows of gu contiguous, any T;
+// out [T, I] contiguous.
+void silu_and_mul_into(const at::Tensor& gu, int64_t I, at::Tensor& out) {
+  const int64_t T = gu.size(0), ld = gu.stride(0), vec = I - I % 16;
+  const float* g = gu.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, T, grain(2 * I), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float* gate = g + t * ld;
+      const float* up = gate + I;
+      float* y = o + t * I;
+      for (int64_t i = 0; i < vec; i += 16)
+        simd::store(y + i, vsilu(simd::load(gate + i)) * simd::load(up + i));
+      for (int64_t i = vec; i < I; ++i) y[i] = (gate[i] / (1.f + std::exp(-gate[i]))) * up[i];
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gu, int64_t I) {
+  TORCH_CHECK(gu.dtype() == at::kFloat && gu.dim() == 2 && gu.size(1) == 2 * I &&
+                  gu.stride(1) == 1,
+              "silu_and_mul: float32 [T, 2 * I] with contiguous rows");
+  at::Tensor out = at::empty({gu.size(0), I}, gu.options());
+  silu_and_mul_into(gu, I, out);
+  return out;
+}
+
+// x += delta (unless delta is null), then h = RMSNorm(x) * w, row by row: torch's
+// x * rsqrt(mean(x^2) + eps) * w with the squares summed in 16 lanes. x, delta, h [T, n]
+// contiguous.
+void add_rms_norm(float* x, const float* delta, const float* w, float eps, float* h, int64_t T,
+                  int64_t n) {
+  const int64_t vec = n - n % 16;
+  at::parallel_for(0, T, grain(n), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      float* xr = x + t * n;
+      simd::v16 acc{};
+      float tail = 0.f;
+      if (delta != nullptr) {
+        const float* dr = delta + t * n;
+        for (int64_t i = 0; i < vec; i += 16) {
+          const simd::v16 v = simd::load(xr + i) + simd::load(dr + i);
+          simd::store(xr + i, v);
+          acc += v * v;
+        }
+        for (int64_t i = vec; i < n; ++i) xr[i] += dr[i], tail += xr[i] * xr[i];
+      } else {
+        for (int64_t i = 0; i < vec; i += 16) {
+          const simd::v16 v = simd::load(xr + i);
+          acc += v * v;
+        }
+        for (int64_t i = vec; i < n; ++i) tail += xr[i] * xr[i];
+      }
+      const float inv = 1.f / std::sqrt((simd::hsum(acc) + tail) / static_cast<float>(n) + eps);
+      float* hr = h + t * n;
+      for (int64_t i = 0; i < vec; i += 16)
+        simd::store(hr + i, (simd::load(xr + i) * simd::splat(inv)) * simd::load(w + i));
+      for (int64_t i = vec; i < n; ++i) hr[i] = (xr[i] * inv) * w[i];
+    }
+  });
+}
+
+// HF's rope (x * cos + rotate_half(x) * sin) of one head of D values.
+inline void rotate(const float* x, const float* ct, const float* st, float* y, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) y[i] = x[i] * ct[i] + (-x[i + half]) * st[i];
+  for (int64_t i = half; i < D; ++i) y[i] = x[i] * ct[i] + x[i - half] * st[i];
+}
+
+// q_out[t] = rope(qkv[t, :H*D]); the cache slot of token t gets rope(k) and v.
+void rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                    at::Tensor& q_out, at::Tensor& k_cache, at::Tensor& v_cache,
+                    const at::Tensor& slots, int64_t H, int64_t Hkv, int64_t D) {
+  const int64_t T = qkv.size(0), width = qkv.size(1);
+  const float* src = qkv.data_ptr<float>();
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  float* qo = q_out.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  at::parallel_for(0, T, grain(width), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float* row = src + t * width;
+      const float* ct = c + t * D;
+      const float* st = s + t * D;
+      for (int64_t h = 0; h < H; ++h) rotate(row + h * D, ct, st, qo + (t * H + h) * D, D);
+      float* kd = kc + sl[t] * Hkv * D;
+      float* vd = vc + sl[t] * Hkv * D;
+      for (int64_t h = 0; h < Hkv; ++h) rotate(row + (H + h) * D, ct, st, kd + h * D, D);
+      std::copy(row + (H + Hkv) * D, row + (H + 2 * Hkv) * D, vd);
+    }
+  });
+}
+
+// The prefill (Python layers) form of rope_and_cache: rope'd q [T, H, D] and k [T, Hkv, D]
+// from the packed qkv [T, (H + 2 Hkv) D] (rows contiguous), one pass, no temporaries.
+std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tensor& cos,
+                                           const at::Tensor& sin, int64_t H, int64_t Hkv,
+                                           int64_t D) {
+  TORCH_CHECK(qkv.dtype() == at::kFloat && qkv.dim() == 2 && qkv.stride(1) == 1 &&
+                  qkv.size(1) >= (H + 2 * Hkv) * D,
+              "rope_qk: float32 qkv [T, (H + 2 Hkv) D] with contiguous rows");
+  const int64_t T = qkv.size(0), ld = qkv.stride(0);
+  TORCH_CHECK(cos.dtype() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.size(0) == T && cos.size(-1) == D && sin.sizes() == cos.sizes(),
+              "rope_qk: contiguous float32 cos and sin [T, D]");
+  at::Tensor q = at::empty({T, H, D}, qkv.options());
+  at::Tensor k = at::empty({T, Hkv, D}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  float* qo = q.data_ptr<float>();
+  float* ko = k.data_ptr<float>();
+  at::parallel_for(0, T, grain(ld), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float* row = src + t * ld;
+      for (int64_t h = 0; h < H; ++h) rotate(row + h * D, c + t * D, s + t * D, qo + (t * H + h) * D, D);
+      for (int64_t h = 0; h < Hkv; ++h)
+        rotate(row + (H + h) * D, c + t * D, s + t * D, ko + (t * Hkv + h) * D, D);
+    }
+  });
+  return {q, k};
+}
+
+}  // namespace
+
+at::Tensor forward_layers(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
+                          at::TensorList weights,
+                          const c10::List<std::optional<at::Tensor>>& biases,
+                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slots,
+                          const std::optional<at::Tensor>& decode_rows,
+                          const std::optional<at::Tensor>& decode_tables,
+                          const std::optional<at::Tensor>& decode_lens,
+                          const std::optional<at::Tensor>& prefill_chunks,
+                          const std::optional<at::Tensor>& prefill_tables, at::IntArrayRef dims,
+                          double eps, double scale, at::TensorList lora,
+                          const c10::List<std::optional<at::Tensor>>& lora_ranks,
+                          const std::optional<at::Tensor>& segments) {
+  TORCH_CHECK(dims.size() == 5, "dims must be [H, Hkv, D, intermediate, block_size]");
+  const int64_t H = dims[0], Hkv = dims[1], D = dims[2], I = dims[3], bs = dims[4];
+  const int64_t L = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kPerLayer * L &&
+                  static_cast<int64_t>(v_caches.size()) == L &&
+                  static_cast<int64_t>(biases.size()) == L,
+              "forward_layers: ", kPerLayer, " weights, one bias, one K and V cache per layer");
+  TORCH_CHECK(x_in.dtype() == at::kFloat && x_in.dim() == 2 && cos.dtype() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == x_in.size(0) &&
+                  cos.size(-1) == D && sin.sizes() == cos.sizes(),
+              "forward_layers: float32 x [T, hidden], contiguous cos and sin [T, D]");
+  TORCH_CHECK(slots.dtype() == at::kLong && slots.is_contiguous() && slots.size(0) == x_in.size(0),
+              "forward_layers: slots must be a contiguous int64 [T]");
+  const int64_t T = x_in.size(0), hidden = x_in.size(1);
+  for (int64_t l = 0; l < L; ++l)
+    TORCH_CHECK(k_caches[l].dim() == 3 && k_caches[l].is_contiguous() &&
+                    v_caches[l].sizes() == k_caches[l].sizes() && v_caches[l].is_contiguous() &&
+                    k_caches[l].size(1) == Hkv && k_caches[l].size(2) == D,
+                "forward_layers: caches must be contiguous [S, Hkv, D]");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < k_caches[0].size(0), "slot ", sl[t], " out of the cache");
+  const bool has_decode = decode_rows.has_value();
+  const bool has_prefill = prefill_chunks.has_value();
+  TORCH_CHECK(has_decode == (decode_tables.has_value() && decode_lens.has_value()) &&
+                  has_prefill == prefill_tables.has_value(),
+              "forward_layers: decode needs rows, tables and lens; prefill chunks and tables");
+  // every row gets its attention from one of the two (the kernels check their own entries)
+  int64_t covered = has_decode ? decode_rows->numel() : 0;
+  if (has_prefill) {
+    TORCH_CHECK(prefill_chunks->dtype() == at::kLong && prefill_chunks->dim() == 2 &&
+                    prefill_chunks->size(1) == 3 && prefill_chunks->is_contiguous(),
+                "forward_layers: prefill chunks must be a contiguous int64 [C, 3]");
+    const int64_t* cp = prefill_chunks->data_ptr<int64_t>();
+    for (int64_t c = 0; c < prefill_chunks->size(0); ++c) covered += cp[c * 3 + 1];
+  }
+  TORCH_CHECK(covered == T, "forward_layers: decode rows and prefill chunks cover ", covered,
+              " of ", T, " rows");
+  // LoRA (segments given): a and b_t of the four linears of every layer, qkv, o, gate_up,
+  // down, and their ranks; each linear is then linear_lora_packed, the base GEMM and every
+  // active slot's LoRA in one call, as the Python layers' CPU backend runs it.
+  const bool with_lora = segments.has_value();
+  TORCH_CHECK(!with_lora || (static_cast<int64_t>(lora.size()) == 8 * L &&
+                             static_cast<int64_t>(lora_ranks.size()) == 4 * L),
+              "forward_layers: LoRA needs a and b_t of 4 linears per layer and their ranks");
+  const std::vector<std::vector<int64_t>> widths = {
+      {H * D, Hkv * D, Hkv * D}, {hidden}, {I, I}, {hidden}};
+  // y = the linear of `in` (into y's buffer without LoRA)
+  auto linear = [&](const at::Tensor& in, const at::Tensor& w, int64_t l, int j, int64_t N,
+                    const std::optional<at::Tensor>& b, at::Tensor& y) {
+    if (!with_lora) {
+      linear_packed_into(in, w, check_packed(in, w, N, b), y);
+      return;
+    }
+    const int64_t k = l * 4 + j;
+    y = linear_lora_packed(in, w, N, b, lora[2 * k], lora[2 * k + 1], *segments, widths[j],
+                           lora_ranks.get(k));
+  };
+  // the buffers, allocated once for every layer
+  const auto f = x_in.options();
+  at::Tensor x = x_in.contiguous().clone();
+  at::Tensor h = at::empty({T, hidden}, f), delta = at::empty({T, hidden}, f);
+  at::Tensor qkv = at::empty({T, (H + 2 * Hkv) * D}, f);
+  at::Tensor q = at::empty({T, H, D}, f), o = at::empty({T, H, D}, f);
+  at::Tensor gu = at::empty({T, 2 * I}, f), act = at::empty({T, I}, f);
+  float* xp = x.data_ptr<float>();
+  const float fe = static_cast<float>(eps);
+  add_rms_norm(xp, nullptr, weights[0].data_ptr<float>(), fe, h.data_ptr<float>(), T, hidden);
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor* w = weights.data() + l * kPerLayer;
+    at::Tensor kc = k_caches[l], vc = v_caches[l];
+    linear(h, w[1], l, 0, (H + 2 * Hkv) * D, biases.get(l), qkv);
+    rope_and_cache(qkv, cos, sin, q, kc, vc, slots, H, Hkv, D);
+    if (has_prefill)
+      paged_prefill_attention(q, kc, vc, *prefill_chunks, *prefill_tables, bs, scale, o);
+    if (has_decode)
+      paged_decode_attention(q, *decode_rows, kc, vc, *decode_tables, *decode_lens, bs, scale, o);
+    linear(o.view({T, H * D}), w[2], l, 1, hidden, std::nullopt, delta);
+    add_rms_norm(xp, delta.data_ptr<float>(), w[3].data_ptr<float>(), fe, h.data_ptr<float>(), T,
+                 hidden);
+    linear(h, w[4], l, 2, 2 * I, std::nullopt, gu);
+    silu_and_mul_into(gu, I, act);
+    linear(act, w[5], l, 3, hidden, std::nullopt, delta);
+    if (l + 1 < L) {  // the next layer's input norm, fused with this residual add
+      add_rms_norm(xp, delta.data_ptr<float>(), weights[(l + 1) * kPerLayer].data_ptr<float>(), fe,
+                   h.data_ptr<float>(), T, hidden);
+    } else {
+      x.add_(delta);
+    }
+  }
+  return x;
+}
+
+}  // namespace raylora
+
+TORCH_LIBRARY_FRAGMENT(raylora_cpu, m) {
+  m.def(
+      "forward_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] weights, Tensor?[] biases, "
+      "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor? decode_rows, "
+      "Tensor? decode_tables, Tensor? decode_lens, Tensor? prefill_chunks, "
+      "Tensor? prefill_tables, int[] dims, float eps, float scale, Tensor[] lora, "
+      "Tensor?[] lora_ranks, Tensor? segments) -> Tensor");
+  m.def("silu_and_mul(Tensor gate_up, int intermediate) -> Tensor");
+  m.def("rope_qk(Tensor qkv, Tensor cos, Tensor sin, int H, int Hkv, int D) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(raylora_cpu, CPU, m) {
+  m.impl("forward_layers", &raylora::forward_layers);
+  m.impl("silu_and_mul", &raylora::silu_and_mul);
+  m.impl("rope_qk", &raylora::rope_qk);
+}
