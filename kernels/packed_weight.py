@@ -8,7 +8,8 @@ The model runner packs every linear of a float32 CPU model once, after loading, 
 C++ kernels are built with AVX-512 (`cpu_kernel.packed_gemm_fast()`), and keeps only the
 packed copy (the weight's bytes rearranged, zero-padded to a whole panel), so the packed GEMM
 costs no memory. The torch paths that need a plain weight (the C++ kernels turned off later)
-call `unpack()`, which rebuilds it per call.
+call `unpack()`, which rebuilds it per call. A model with tied embeddings looks its token
+embeddings up in the packed lm_head (`rows(ids)`) and frees the embedding's own copy.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ class PackedWeight:
         if rest:
             data[full, :, :rest].copy_(weight[full * PANEL :].t())
         return cls(data, n)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """weight[ids] ([len(ids), in_features], the same values): a tied embedding's lookup in
+        its lm_head's packed copy, so the model keeps one copy of that matrix."""
+        ids = ids.to(torch.long)
+        return self.data[ids // PANEL, :, ids % PANEL]
 
     def unpack(self) -> torch.Tensor:
         p, k, _ = self.data.shape

@@ -24,6 +24,8 @@ def test_pack_unpack_round_trip(out_features, in_features):
     assert pw.shape == weight.shape and pw.in_features == in_features
     assert torch.equal(pw.unpack(), weight)
     assert not pw.data[-1, :, out_features - (pw.data.shape[0] - 1) * PANEL :].any()  # padding
+    ids = torch.tensor([0, out_features - 1, out_features // 2, 0], dtype=torch.int32)
+    assert torch.equal(pw.rows(ids), weight[ids.long()])  # a tied embedding's lookup
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 32, 129, 300])
@@ -109,11 +111,15 @@ def test_linear_packed_rejects_bad_arguments():
         _op()(x, pw.data, 100, torch.randn(99))
 
 
-def test_engine_packs_a_float32_cpu_model(tiny_model_dir, monkeypatch):
-    """On a float32 CPU model the engine keeps one copy of each linear, packed; with the
-    kernels off it keeps the plain weights."""
+def test_engine_packs_a_float32_cpu_model(tiny_model_dir, tmp_path, monkeypatch):
+    """On a float32 CPU model the engine keeps one copy of each linear, packed (a tied
+    embedding too: it is read from the packed lm_head); with the kernels off it keeps the
+    plain weights."""
     from engine import EngineConfig, LLMEngine
-    from engine.models.llama import LoRALinear
+    from engine.models.llama import LoRALinear, PackedEmbedding
+    from tests.model_fixtures import make_tiny_llama
+
+    tied_dir = str(make_tiny_llama(tmp_path / "tied", tie_word_embeddings=True))
 
     monkeypatch.delenv("RAYLORA_CPU_KERNEL", raising=False)
     if not cpu_kernel.packed_gemm_fast():
@@ -122,7 +128,11 @@ def test_engine_packs_a_float32_cpu_model(tiny_model_dir, monkeypatch):
     linears = [m for m in model.modules() if isinstance(m, LoRALinear)]
     assert linears and all(isinstance(m.weight, PackedWeight) for m in linears)
     assert isinstance(model.head_weight, PackedWeight)
-    assert not any(p.dim() == 2 and p is not model.embed_tokens.weight for p in model.parameters())
+    embedding = getattr(model.embed_tokens, "weight", None)  # tied: read from the packed head
+    assert not any(p.dim() == 2 and p is not embedding for p in model.parameters())
+    tied = LLMEngine(EngineConfig(model=tied_dir, num_kv_blocks=16)).model_runner.model
+    assert isinstance(tied.embed_tokens, PackedEmbedding)  # one copy of the tied matrix
+    assert not any(p.dim() == 2 for p in tied.parameters())
     monkeypatch.setenv("RAYLORA_CPU_KERNEL", "0")
     plain = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=16)).model_runner.model
     assert all(

@@ -125,6 +125,17 @@ class LoRALinear(nn.Module):
         return ctx.lora_backend.linear(x, self.weight, self.bias, self.lora)
 
 
+class PackedEmbedding(nn.Module):
+    """A tied embedding read from its lm_head's PackedWeight (the same matrix, kept once)."""
+
+    def __init__(self, packed: PackedWeight) -> None:
+        super().__init__()
+        self.packed = packed
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        return self.packed.rows(ids)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -353,13 +364,16 @@ class LlamaForCausalLM(nn.Module):
         """After load_weights, on a float32 CPU model with the C++ kernels: every linear's
         weight, lm_head's too, in the packed GEMM's layout (kernels/packed_weight.py), one
         layer at a time, the plain copies freed (lm_head's is a copy of the embedding's even
-        when tied, see load_weights)."""
+        when tied, see load_weights). A tied embedding is then looked up in the packed copy
+        and its own freed (113 MB for SmolLM2-135M)."""
         for layer in self.layers:
             for module in layer.modules():
                 if isinstance(module, LoRALinear):
                     module.pack_weight()
         self.packed_head = PackedWeight.pack(self.lm_head.weight)
         del self.lm_head
+        if self.args.tie_word_embeddings:
+            self.embed_tokens = PackedEmbedding(self.packed_head)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy HF-named weights in, packing q/k/v and gate/up."""
