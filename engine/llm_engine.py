@@ -4,7 +4,7 @@ import json
 import logging
 from pathlib import Path
 
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -25,12 +25,22 @@ from engine.structured import StructuredOutputManager
 logger = logging.getLogger(__name__)
 
 
+def load_tokenizer(source: str | Path):
+    """The model's tokenizer. A local folder with a tokenizer.json loads it as the fast
+    tokenizer directly (what AutoTokenizer resolves such a folder to), skipping AutoTokenizer's
+    detour through the model's config class: 1-2 s of transformers imports at every start-up.
+    Anything else (a Hub id, a folder with only a slow tokenizer) goes through AutoTokenizer."""
+    if (Path(source) / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(source)
+    return AutoTokenizer.from_pretrained(source)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_path = resolve_model(config.model)
         self.model_name = _model_name(config.model, self.model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_path)
+        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
         self.model_runner = ModelRunner(config, self.model_path)
         self.faults = self.model_runner.faults  # test-only fault injection (engine/faults.py)
         args = self.model_runner.args
