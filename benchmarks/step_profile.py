@@ -6,13 +6,17 @@ Per case, the timed part (decode: the timed steps; prefill: until every first to
 under torch.profiler, with the model forward, the lm_head and the sampler marked by
 record_function. The wall time is split into
   linears    the projections (raylora_cpu::linear_packed and friends, aten::linear/mm)
-  attention  SDPA, KV block gathers (index_select), KV cache writes (index_put)
+  attention  SDPA, KV block gathers (index_select), KV cache writes (index_put), the C++
+             decode and prefill attention
   elementwise norms, rope, activations, residual adds, and the other ops of the forward
   lm_head    the vocabulary projection of the rows that sample
   sampler    the sampler's ops and Python
   forward py the model forward's own Python and dispatch (its wall time minus its ops')
   step py    everything else: scheduling, input building, the attention metadata,
              detokenizing (the step's wall time minus the above)
+The fused C++ forward (raylora_cpu::forward_layers, csrc/layers_cpu.cpp: every layer in one
+op, which the profiler sees whole) is split into linears, attention and elementwise by its
+own phase clocks (raylora_cpu::layer_times).
 """
 
 from __future__ import annotations
@@ -50,10 +54,15 @@ def _subtree(ev):
         yield from _subtree(child)
 
 
-def split(prof, wall_us: float) -> dict[str, float]:
-    """The profile's events -> microseconds per COLUMNS entry (they sum to wall_us)."""
+FUSED_OP = "raylora_cpu::forward_layers"
+PHASES = ("linears", "attention", "elementwise")  # raylora_cpu::layer_times' order
+
+
+def split(prof, wall_us: float, fused_s: list[float] | None = None) -> dict[str, float]:
+    """The profile's events -> microseconds per COLUMNS entry (they sum to wall_us).
+    fused_s: the seconds per phase forward_layers reported for the same span."""
     out: dict[str, float] = defaultdict(float)
-    marked = 0.0
+    marked = fused_us = 0.0
     for ev in prof.events():
         if ev.name not in ("raylora.forward", "raylora.lm_head", "raylora.sampler"):
             continue
@@ -63,11 +72,18 @@ def split(prof, wall_us: float) -> dict[str, float]:
             for sub in _subtree(ev):
                 if sub is ev or sub.name.startswith("raylora."):
                     continue
-                out[category(sub.name)] += _self_us(sub)
                 ops += _self_us(sub)
+                if sub.name == FUSED_OP and fused_s:  # split below by its own clocks
+                    fused_us += _self_us(sub)
+                    continue
+                out[category(sub.name)] += _self_us(sub)
             out["forward py"] += ev.cpu_time_total - ops
         else:
             out[ev.name.removeprefix("raylora.")] += ev.cpu_time_total
+    if fused_us:  # the fused op's time by phase; what its clocks did not see: dispatch
+        for phase, seconds in zip(PHASES, fused_s, strict=True):
+            out[phase] += seconds * 1e6
+        out["forward py"] += max(0.0, fused_us - sum(fused_s) * 1e6)
     out["step py"] = max(0.0, wall_us - marked)
     return dict(out)
 
@@ -92,21 +108,26 @@ def profile_cases(spec: dict) -> dict:
     log(f"raylora, {threads} threads, torch.profiler (CPU)")
     log(f"{'case':<16}{'wall':>9}" + "".join(f"{c:>12}" for c in COLUMNS) + "   (ms per step)")
     results = {}
+    fused = runner.model.fused_layers_op is not None
     for i, case in enumerate(spec["cases"]):
         run_case(engine, "raylora", warmup_case(case), f"w{i}")
         box: dict = {}
 
         @contextlib.contextmanager
         def around(box=box):
+            if fused:
+                torch.ops.raylora_cpu.layer_times()  # from zero
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 t = time.perf_counter()
                 yield
                 box["wall_us"] = (time.perf_counter() - t) * 1e6
             box["prof"] = prof
+            box["fused_s"] = list(torch.ops.raylora_cpu.layer_times()) if fused else None
 
         run_case(engine, "raylora", case, f"c{i}", around)
         n = case.get("steps", 1) if case["kind"] == "decode" else 1
-        parts = {k: v / n / 1e3 for k, v in split(box["prof"], box["wall_us"]).items()}
+        spans = split(box["prof"], box["wall_us"], box["fused_s"])
+        parts = {k: v / n / 1e3 for k, v in spans.items()}
         wall = box["wall_us"] / n / 1e3
         log(
             f"{case['label']:<16}{wall:>9.1f}"

@@ -206,3 +206,26 @@ def test_fused_layers_on_mixed_batches_match_the_python_layers(tmp_path, prefix_
     assert len(fused_logits) == len(python_logits)
     for a, b in zip(fused_logits, python_logits, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.timeout(120)
+def test_layer_times_split_the_fused_forward(tmp_path):
+    """raylora_cpu::layer_times (the profiler's split of forward_layers): seconds per phase
+    since the last read, all three phases seen in a step, zero right after a read."""
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from tests.model_fixtures import make_tiny_llama
+
+    path = make_tiny_llama(
+        tmp_path / "m", hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=64
+    )
+    engine = LLMEngine(EngineConfig(model=str(path), enable_lora=False))
+    if engine.model_runner.model.fused_layers_op is None:
+        pytest.skip("the C++ CPU kernels are not built on this machine")
+    layer_times = torch.ops.raylora_cpu.layer_times
+    layer_times()
+    engine.add_request("a", {"prompt_token_ids": list(range(5, 60))}, SamplingParams(max_tokens=3))
+    while engine.has_unfinished_requests():
+        engine.step()
+    linears, attention, elementwise = layer_times()
+    assert linears > 0 and attention > 0 and elementwise > 0
+    assert layer_times() == [0.0, 0.0, 0.0]

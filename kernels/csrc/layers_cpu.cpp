@@ -33,6 +33,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <array>
+#include <chrono>
 #include <cmath>
 #include <vector>
 
@@ -46,6 +48,26 @@ namespace raylora {
 namespace {
 
 constexpr int kPerLayer = 6;
+
+// Seconds forward_layers has spent per phase since layer_times() last read them: linears,
+// attention, elementwise (norms, rope and the cache write, silu-and-mul). The profiler
+// (benchmarks/step_profile.py) splits the one C++ call with them; a clock read costs ~20 ns,
+// ten per layer.
+enum Phase { kLinears, kAttention, kElementwise, kNumPhases };
+std::array<double, kNumPhases> g_phase_seconds{};
+
+class PhaseClock {
+ public:
+  PhaseClock() : last_(std::chrono::steady_clock::now()) {}
+  void lap(Phase p) {
+    const auto now = std::chrono::steady_clock::now();
+    g_phase_seconds[p] += std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+  }
+
+ private:
+  std::chrono::steady_clock::time_point last_;
+};
 
 // Rows per thread of the elementwise loops: at decode's few rows a parallel region costs more
 // than the loop (measured: add_rms_norm took ~130 us a call at 64 x 576 split in four), so
@@ -188,6 +210,13 @@ std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tens
 
 }  // namespace
 
+// [linears, attention, elementwise] seconds forward_layers spent since the last call (then 0).
+std::vector<double> layer_times() {
+  std::vector<double> out(g_phase_seconds.begin(), g_phase_seconds.end());
+  g_phase_seconds.fill(0.0);
+  return out;
+}
+
 at::Tensor forward_layers(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
                           at::TensorList weights,
                           const c10::List<std::optional<at::Tensor>>& biases,
@@ -267,22 +296,32 @@ at::Tensor forward_layers(const at::Tensor& x_in, const at::Tensor& cos, const a
   at::Tensor gu = at::empty({T, 2 * I}, f), act = at::empty({T, I}, f);
   float* xp = x.data_ptr<float>();
   const float fe = static_cast<float>(eps);
+  PhaseClock clock;
   add_rms_norm(xp, nullptr, weights[0].data_ptr<float>(), fe, h.data_ptr<float>(), T, hidden);
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* w = weights.data() + l * kPerLayer;
     at::Tensor kc = k_caches[l], vc = v_caches[l];
+    clock.lap(kElementwise);
     linear(h, w[1], l, 0, (H + 2 * Hkv) * D, biases.get(l), qkv);
+    clock.lap(kLinears);
     rope_and_cache(qkv, cos, sin, q, kc, vc, slots, H, Hkv, D);
+    clock.lap(kElementwise);
     if (has_prefill)
       paged_prefill_attention(q, kc, vc, *prefill_chunks, *prefill_tables, bs, scale, o);
     if (has_decode)
       paged_decode_attention(q, *decode_rows, kc, vc, *decode_tables, *decode_lens, bs, scale, o);
+    clock.lap(kAttention);
     linear(o.view({T, H * D}), w[2], l, 1, hidden, std::nullopt, delta);
+    clock.lap(kLinears);
     add_rms_norm(xp, delta.data_ptr<float>(), w[3].data_ptr<float>(), fe, h.data_ptr<float>(), T,
                  hidden);
+    clock.lap(kElementwise);
     linear(h, w[4], l, 2, 2 * I, std::nullopt, gu);
+    clock.lap(kLinears);
     silu_and_mul_into(gu, I, act);
+    clock.lap(kElementwise);
     linear(act, w[5], l, 3, hidden, std::nullopt, delta);
+    clock.lap(kLinears);
     if (l + 1 < L) {  // the next layer's input norm, fused with this residual add
       add_rms_norm(xp, delta.data_ptr<float>(), weights[(l + 1) * kPerLayer].data_ptr<float>(), fe,
                    h.data_ptr<float>(), T, hidden);
@@ -290,6 +329,7 @@ at::Tensor forward_layers(const at::Tensor& x_in, const at::Tensor& cos, const a
       x.add_(delta);
     }
   }
+  clock.lap(kElementwise);
   return x;
 }
 
@@ -303,7 +343,12 @@ TORCH_LIBRARY_FRAGMENT(raylora_cpu, m) {
       "Tensor? prefill_tables, int[] dims, float eps, float scale, Tensor[] lora, "
       "Tensor?[] lora_ranks, Tensor? segments) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up, int intermediate) -> Tensor");
+  m.def("layer_times() -> float[]");
   m.def("rope_qk(Tensor qkv, Tensor cos, Tensor sin, int H, int Hkv, int D) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(raylora_cpu, CompositeExplicitAutograd, m) {
+  m.impl("layer_times", &raylora::layer_times);
 }
 
 TORCH_LIBRARY_IMPL(raylora_cpu, CPU, m) {
