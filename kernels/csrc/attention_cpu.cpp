@@ -190,18 +190,24 @@ bool decode_attention_supported(int64_t num_heads, int64_t num_kv_heads, int64_t
          pick(num_heads / num_kv_heads, head_dim) != nullptr;
 }
 
+void check_attention_operands(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, const at::Tensor& out) {
+  TORCH_CHECK(q.dtype() == at::kFloat && k_cache.dtype() == at::kFloat &&
+                  v_cache.dtype() == at::kFloat && out.dtype() == at::kFloat,
+              op, ": float32 only");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.sizes() == q.sizes() && out.is_contiguous(),
+              op, ": q and out must be contiguous [T, H, D]");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.is_contiguous() && k_cache.size(2) == q.size(2),
+              op, ": k_cache and v_cache must be contiguous [S, Hkv, D]");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), op, ": CPU tensors only");
+}
+
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& rows, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& tables,
                             const at::Tensor& lens, int64_t block_size, double scale,
                             at::Tensor& out) {
-  TORCH_CHECK(q.dtype() == at::kFloat && k_cache.dtype() == at::kFloat &&
-                  v_cache.dtype() == at::kFloat && out.dtype() == at::kFloat,
-              "paged_decode_attention: float32 only");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.sizes() == q.sizes() && out.is_contiguous(),
-              "q and out must be contiguous [T, H, D]");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.is_contiguous() && k_cache.size(2) == q.size(2),
-              "k_cache and v_cache must be contiguous [S, Hkv, D]");
+  check_attention_operands("paged_decode_attention", q, k_cache, v_cache, out);
   TORCH_CHECK(rows.dtype() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
               "rows must be a contiguous int64 [N]");
   TORCH_CHECK(tables.dtype() == at::kInt && tables.dim() == 2 && tables.is_contiguous() &&

@@ -6,6 +6,11 @@
 
 namespace raylora {
 
+// The checks both attention kernels make: q, out [T, H, D] and the caches [S, Hkv, D], float32,
+// contiguous, on the CPU, D agreeing. `op` names the caller in the messages.
+void check_attention_operands(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, const at::Tensor& out);
+
 // out[rows] = softmax(q[rows] k^T * scale) v over each row's paged context (attention_cpu.cpp).
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& rows, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& tables,

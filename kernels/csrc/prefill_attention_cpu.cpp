@@ -240,14 +240,7 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& chunks,
                              const at::Tensor& tables, int64_t block_size, double scale,
                              at::Tensor& out) {
-  TORCH_CHECK(q.dtype() == at::kFloat && k_cache.dtype() == at::kFloat &&
-                  v_cache.dtype() == at::kFloat && out.dtype() == at::kFloat,
-              "paged_prefill_attention: float32 only");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && out.sizes() == q.sizes() && out.is_contiguous(),
-              "q and out must be contiguous [T, H, D]");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.is_contiguous() && k_cache.size(2) == q.size(2),
-              "k_cache and v_cache must be contiguous [S, Hkv, D]");
+  check_attention_operands("paged_prefill_attention", q, k_cache, v_cache, out);
   TORCH_CHECK(chunks.dtype() == at::kLong && chunks.dim() == 2 && chunks.size(1) == 3 &&
                   chunks.is_contiguous(),
               "chunks must be a contiguous int64 [C, 3] (first row, tokens, first position)");
