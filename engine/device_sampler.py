@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -314,8 +315,13 @@ class DeviceSampler:
         return gen
 
 
-def make_sampler(device: torch.device | str, seed: int = 0) -> Sampler | DeviceSampler:
-    """The sampler for logits on `device`: DeviceSampler on CUDA, Sampler (CPU logits) else."""
+def make_sampler(
+    device: torch.device | str,
+    seed: int = 0,
+    argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Sampler | DeviceSampler:
+    """The sampler for logits on `device`: DeviceSampler on CUDA, Sampler (CPU logits) else,
+    with `argmax` for its greedy rows (kernels.cpu_kernel.cpu_argmax_op, or torch's)."""
     if torch.device(device).type == "cuda":
         return DeviceSampler(device, seed)
-    return Sampler(seed)
+    return Sampler(seed, argmax)

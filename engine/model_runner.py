@@ -23,6 +23,7 @@ from engine.sequence import Sequence
 from engine.static_decode import StaticDecode
 from kernels import LoRABatchMeta, lora_backend_name, make_lora_backend
 from kernels.cpu_kernel import (
+    cpu_argmax_op,
     cpu_decode_attention_op,
     cpu_elementwise_ops,
     cpu_forward_layers_op,
@@ -114,7 +115,9 @@ class ModelRunner:
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_for_memory(baseline)
         self._allocate_kv_cache()
         # on CUDA the logits stay on the device: only the sampled ids and logprobs come back
-        self.sampler = make_sampler(self.device, config.seed)
+        self.sampler = make_sampler(
+            self.device, config.seed, cpu_argmax_op() if self.dtype == torch.float32 else None
+        )
         self.faults = FaultInjector()  # test-only (engine/faults.py)
         if self.device.type == "cpu" and self.dtype == torch.float32:
             # the C++ CPU kernels (the packed GEMM; LoRA on the torch backend): build them

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,8 +22,13 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(
+        self, seed: int = 0, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> None:
         self.generator = torch.Generator().manual_seed(seed)  # for unseeded requests
+        # torch.argmax(logits, -1) for greedy rows: the C++ one on the CPU (csrc/sample_cpu.cpp,
+        # the same ids, vectorised), else torch's
+        self.argmax = argmax or (lambda x: x.argmax(dim=-1))
         # Set by LLMEngine (it needs the tokenizer): the grammars of constrained sequences.
         self.structured: StructuredOutputManager | None = None
 
@@ -86,9 +92,9 @@ class Sampler:
         token_ids = torch.empty(len(seqs), dtype=torch.long)
         greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
         if len(greedy) == len(seqs):  # no copy of the rows: [S, V] is ~10 MB at batch 48
-            token_ids = logits.argmax(dim=-1)
+            token_ids = self.argmax(logits)
         elif greedy:
-            token_ids[greedy] = logits[greedy].argmax(dim=-1)
+            token_ids[greedy] = self.argmax(logits[greedy])
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
             probs = self._probs(logits[sampled], [seqs[i] for i in sampled])

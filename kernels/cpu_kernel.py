@@ -1,5 +1,5 @@
 """raylora's C++ CPU kernels (kernels/csrc/: lora_cpu.cpp, linear_cpu.cpp, packed_cpu.cpp,
-attention_cpu.cpp, prefill_attention_cpu.cpp, layers_cpu.cpp),
+attention_cpu.cpp, prefill_attention_cpu.cpp, layers_cpu.cpp, sample_cpu.cpp),
 built on first use with torch's cpp_extension (g++ and ninja) and cached on disk; None where
 they cannot be built.
 
@@ -50,6 +50,7 @@ _SOURCES = [
         "attention_cpu.cpp",
         "prefill_attention_cpu.cpp",
         "layers_cpu.cpp",
+        "sample_cpu.cpp",
     )
 ]
 _lock = threading.Lock()
@@ -205,6 +206,13 @@ def cpu_elementwise_ops() -> tuple[Callable[..., torch.Tensor], Callable[..., tu
     (csrc/layers_cpu.cpp); None if off."""
     ops = _ops()
     return None if ops is None else (ops.silu_and_mul, ops.rope_qk)
+
+
+def cpu_argmax_op() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """`argmax_rows(x)`: torch.argmax(x, -1) of float32 [T, V] logits (the first of equal
+    maxima, a row's first NaN if it has one), vectorised (csrc/sample_cpu.cpp); None if off."""
+    ops = _ops()
+    return None if ops is None else ops.argmax_rows
 
 
 def packed_gemm_fast() -> bool:
