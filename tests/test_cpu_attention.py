@@ -190,16 +190,18 @@ def test_fused_decode_layers_with_lora_match_peft(tmp_path, lora_dtype):
     model = engine.model_runner.model
     if model.fused_layers_op is None:
         pytest.skip("the C++ CPU kernels are not built on this machine")
-    calls = {"lora": 0}
+    calls = {"lora": 0, "narrowed": 0}
     op = model.fused_layers_op
 
     def counting(*args):
-        calls["lora"] += args[-1] is not None  # segments: a LoRA batch
+        calls["lora"] += args[-2] is not None  # segments: a LoRA batch
+        # a LoRA prefill whose last layer runs its sampling rows alone (re-segmented)
+        calls["narrowed"] += args[-2] is not None and len(args[-1]) < len(args[0])
         return op(*args)
 
     model.fused_layers_op = counting
     fused = check_parity(path, adapters, engine, lora_round=lora_round)
-    assert calls["lora"] > 0
+    assert calls["lora"] > 0 and calls["narrowed"] > 0
     python_engine = parity_engine(path, lora_dtype=lora_dtype)
     python_engine.model_runner.model.fused_layers_op = None
     assert check_parity(path, adapters, python_engine, lora_round=lora_round) == fused

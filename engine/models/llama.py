@@ -262,11 +262,10 @@ class LlamaForCausalLM(nn.Module):
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        if self._fused_applies(ctx):
-            x = self._fused_layers(x, cos, sin, ctx)
-        else:
-            for layer in self.layers:
-                x = layer(x, cos, sin, ctx)
+        if self._fused_applies(ctx):  # returns the rows alone (their last layer alone, too)
+            return self.norm(self._fused_layers(x, cos, sin, ctx, rows))
+        for layer in self.layers:
+            x = layer(x, cos, sin, ctx)
         # only the rows that need logits go on: the vocab projection dominates small batches
         return self.norm(x[rows])
 
@@ -332,7 +331,8 @@ class LlamaForCausalLM(nn.Module):
         weights = [t for w in slots for t in (w.a, w.b_t)]
         return weights, [w.ranks for w in slots], ctx.lora.segments
 
-    def _fused_layers(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
+    def _fused_layers(self, x, cos, sin, ctx: ForwardContext, rows: torch.Tensor) -> torch.Tensor:
+        """Hidden states of `rows` [S] after the last layer, [S, hidden]."""
         md, attn = ctx.attn, [layer.self_attn for layer in self.layers]
         d, p = md.decode_batch, md.prefill_batch
         return self.fused_layers_op(
@@ -350,6 +350,7 @@ class LlamaForCausalLM(nn.Module):
             self.args.rms_norm_eps,
             attn[0].scale,
             *self._fused_lora(ctx),
+            rows,
         )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,8 @@
 //   lora, lora_ranks, segments     none for a base batch; else a, b_t (8 per layer) and ranks
 //                                  (4 per layer) of qkv, o, gate_up, down, and the segments
 //                                  of the tokens grouped by slot (kernels/metadata.py)
-// Returns the hidden states after the last layer (before the final norm), [T, hidden].
+//   out_rows [R] int64             the rows whose hidden states are wanted, or None for all
+// Returns those rows' hidden states after the last layer (before the final norm), [R, hidden].
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -210,6 +211,30 @@ std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tens
 
 }  // namespace
 
+// The LoRA segments [3, A] (slot, first row, rows) of the rows `rows` (ascending) of a batch
+// whose segments are `segments`, into `out`; false if rows are not ascending.
+bool rows_segments(const at::Tensor& segments, const int64_t* rows, int64_t R, at::Tensor& out) {
+  for (int64_t i = 1; i < R; ++i)
+    if (rows[i] <= rows[i - 1]) return false;
+  const int64_t A = segments.size(1);
+  const at::Tensor seg = segments.contiguous();
+  const int64_t* sp = seg.data_ptr<int64_t>();
+  std::vector<int64_t> slot, first, count;
+  int64_t i = 0;  // rows before the current segment's first row are past
+  for (int64_t a = 0; a < A; ++a) {
+    const int64_t begin = sp[A + a], end = begin + sp[2 * A + a];
+    while (i < R && rows[i] < begin) ++i;
+    const int64_t start = i;
+    while (i < R && rows[i] < end) ++i;
+    if (i > start) slot.push_back(sp[a]), first.push_back(start), count.push_back(i - start);
+  }
+  const int64_t n = static_cast<int64_t>(slot.size());
+  out = at::empty({3, n}, segments.options());
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t k = 0; k < n; ++k) op[k] = slot[k], op[n + k] = first[k], op[2 * n + k] = count[k];
+  return true;
+}
+
 // [linears, attention, elementwise] seconds forward_layers spent since the last call (then 0).
 std::vector<double> layer_times() {
   std::vector<double> out(g_phase_seconds.begin(), g_phase_seconds.end());
@@ -228,7 +253,8 @@ at::Tensor forward_layers(const at::Tensor& x_in, const at::Tensor& cos, const a
                           const std::optional<at::Tensor>& prefill_tables, at::IntArrayRef dims,
                           double eps, double scale, at::TensorList lora,
                           const c10::List<std::optional<at::Tensor>>& lora_ranks,
-                          const std::optional<at::Tensor>& segments) {
+                          const std::optional<at::Tensor>& segments,
+                          const std::optional<at::Tensor>& out_rows) {
   TORCH_CHECK(dims.size() == 5, "dims must be [H, Hkv, D, intermediate, block_size]");
   const int64_t H = dims[0], Hkv = dims[1], D = dims[2], I = dims[3], bs = dims[4];
   const int64_t L = static_cast<int64_t>(k_caches.size());
@@ -277,6 +303,22 @@ at::Tensor forward_layers(const at::Tensor& x_in, const at::Tensor& cos, const a
   const std::vector<std::vector<int64_t>> widths = {
       {H * D, Hkv * D, Hkv * D}, {hidden}, {I, I}, {hidden}};
   // y = the linear of `in` (into y's buffer without LoRA)
+  // The last layer runs its o_proj and MLP over out_rows alone (the rows whose hidden states
+  // the caller wants: the sampling ones), after attention over every row (its K and V go to
+  // the cache for later tokens): at prefill 5/6 of a layer's linears, 1/36 of the step's.
+  // With LoRA that needs out_rows ascending (they then keep the slot grouping), else it
+  // returns every row.
+  const int64_t R = out_rows.has_value() ? out_rows->numel() : T;
+  bool narrow_last = out_rows.has_value() && R < T;
+  at::Tensor last_segments;
+  if (narrow_last) {
+    TORCH_CHECK(out_rows->dtype() == at::kLong && out_rows->dim() == 1 && out_rows->is_contiguous(),
+                "forward_layers: out_rows must be a contiguous int64 [R]");
+    const int64_t* rp = out_rows->data_ptr<int64_t>();
+    for (int64_t i = 0; i < R; ++i)
+      TORCH_CHECK(rp[i] >= 0 && rp[i] < T, "forward_layers: out row ", rp[i], " out of ", T);
+    if (with_lora) narrow_last = rows_segments(*segments, rp, R, last_segments);
+  }
   auto linear = [&](const at::Tensor& in, const at::Tensor& w, int64_t l, int j, int64_t N,
                     const std::optional<at::Tensor>& b, at::Tensor& y) {
     if (!with_lora) {
@@ -284,7 +326,8 @@ at::Tensor forward_layers(const at::Tensor& x_in, const at::Tensor& cos, const a
       return;
     }
     const int64_t k = l * 4 + j;
-    y = linear_lora_packed(in, w, N, b, lora[2 * k], lora[2 * k + 1], *segments, widths[j],
+    const at::Tensor& seg = narrow_last && l == L - 1 && j > 0 ? last_segments : *segments;
+    y = linear_lora_packed(in, w, N, b, lora[2 * k], lora[2 * k + 1], seg, widths[j],
                            lora_ranks.get(k));
   };
   // the buffers, allocated once for every layer
@@ -311,25 +354,37 @@ at::Tensor forward_layers(const at::Tensor& x_in, const at::Tensor& cos, const a
     if (has_decode)
       paged_decode_attention(q, *decode_rows, kc, vc, *decode_tables, *decode_lens, bs, scale, o);
     clock.lap(kAttention);
-    linear(o.view({T, H * D}), w[2], l, 1, hidden, std::nullopt, delta);
+    at::Tensor attn = o.view({T, H * D});
+    int64_t n = T;  // rows from here on
+    if (narrow_last && l == L - 1) {
+      attn = attn.index_select(0, *out_rows);
+      x = x.index_select(0, *out_rows);
+      xp = x.data_ptr<float>();
+      n = R;
+    }
+    at::Tensor hn = h.narrow(0, 0, n), dn = delta.narrow(0, 0, n);
+    at::Tensor gun = gu.narrow(0, 0, n), actn = act.narrow(0, 0, n);
+    linear(attn, w[2], l, 1, hidden, std::nullopt, dn);
     clock.lap(kLinears);
-    add_rms_norm(xp, delta.data_ptr<float>(), w[3].data_ptr<float>(), fe, h.data_ptr<float>(), T,
+    add_rms_norm(xp, dn.data_ptr<float>(), w[3].data_ptr<float>(), fe, hn.data_ptr<float>(), n,
                  hidden);
     clock.lap(kElementwise);
-    linear(h, w[4], l, 2, 2 * I, std::nullopt, gu);
+    linear(hn, w[4], l, 2, 2 * I, std::nullopt, gun);
     clock.lap(kLinears);
-    silu_and_mul_into(gu, I, act);
+    silu_and_mul_into(gun, I, actn);
     clock.lap(kElementwise);
-    linear(act, w[5], l, 3, hidden, std::nullopt, delta);
+    linear(actn, w[5], l, 3, hidden, std::nullopt, dn);
     clock.lap(kLinears);
     if (l + 1 < L) {  // the next layer's input norm, fused with this residual add
-      add_rms_norm(xp, delta.data_ptr<float>(), weights[(l + 1) * kPerLayer].data_ptr<float>(), fe,
+      add_rms_norm(xp, dn.data_ptr<float>(), weights[(l + 1) * kPerLayer].data_ptr<float>(), fe,
                    h.data_ptr<float>(), T, hidden);
     } else {
-      x.add_(delta);
+      x.add_(dn);
     }
   }
   clock.lap(kElementwise);
+  // out_rows' hidden states, in out_rows' order (narrowed above, or picked now)
+  if (out_rows.has_value() && !narrow_last) return x.index_select(0, *out_rows);
   return x;
 }
 
@@ -341,7 +396,7 @@ TORCH_LIBRARY_FRAGMENT(raylora_cpu, m) {
       "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor? decode_rows, "
       "Tensor? decode_tables, Tensor? decode_lens, Tensor? prefill_chunks, "
       "Tensor? prefill_tables, int[] dims, float eps, float scale, Tensor[] lora, "
-      "Tensor?[] lora_ranks, Tensor? segments) -> Tensor");
+      "Tensor?[] lora_ranks, Tensor? segments, Tensor? out_rows) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up, int intermediate) -> Tensor");
   m.def("layer_times() -> float[]");
   m.def("rope_qk(Tensor qkv, Tensor cos, Tensor sin, int H, int Hkv, int D) -> (Tensor, Tensor)");
