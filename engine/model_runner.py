@@ -14,7 +14,14 @@ from engine.errors import InjectedFault
 from engine.faults import FaultInjector
 from engine.lora.adapter import LoRAModelSpec
 from engine.lora.manager import LoRAManager
-from engine.memory import CudaMeter, MemoryPlan, MemorySnapshot, plan_kv_blocks, profile_run
+from engine.memory import (
+    CudaMeter,
+    MemoryPlan,
+    MemorySnapshot,
+    plan_kv_blocks,
+    profile_run,
+    release_host_heap,
+)
 from engine.models.llama import ForwardContext, ModelArgs
 from engine.models.loader import load_model, load_model_config
 from engine.sampler import SampleResult
@@ -147,6 +154,8 @@ class ModelRunner:
                 and fused is not None
             ):
                 self.model.enable_fused_layers(fused)
+        if self.device.type == "cpu":
+            release_host_heap()
 
     def _kv_bytes_per_block(self) -> int:
         a = self.args
