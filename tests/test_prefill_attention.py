@@ -137,7 +137,8 @@ def test_fused_layers_on_mixed_batches_match_the_python_layers(tmp_path, prefix_
     decode tokens, through forward_layers and through the Python layers (SDPA prefill, the
     same C++ decode attention): the same logits within float rounding at every step, and the
     same greedy tokens. With prefix caching the later requests' chunks start after a cached
-    prefix (the kernel reads it in place)."""
+    prefix (the kernel reads it in place). One request asks for prompt logprobs (the fused op
+    then returns rows inside a chunk, not only its last)."""
     from engine import EngineConfig, LLMEngine, SamplingParams
     from tests.model_fixtures import make_tiny_llama
 
@@ -195,6 +196,9 @@ def test_fused_layers_on_mixed_batches_match_the_python_layers(tmp_path, prefix_
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
             engine.step()  # the next request arrives while the earlier ones decode
+            if i == 2:  # prompt logprobs: rows inside a chunk are wanted too
+                scored = SamplingParams(max_tokens=2, prompt_logprobs=1, temperature=0.0)
+                engine.add_request("scored", {"prompt_token_ids": prompts[3][:30]}, scored)
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:

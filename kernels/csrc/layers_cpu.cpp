@@ -235,6 +235,33 @@ bool rows_segments(const at::Tensor& segments, const int64_t* rows, int64_t R, a
   return true;
 }
 
+// The prefill chunks [C, 3] (first row, tokens, first position) cut to their last query
+// where that row is one of `rows`, with their block tables; left undefined (every chunk in
+// full) if some row in `rows` lies inside a chunk before its last position.
+void last_query_chunks(const at::Tensor& chunks, const at::Tensor& tables, const int64_t* rows,
+                       int64_t R, at::Tensor& out_chunks, at::Tensor& out_tables) {
+  const int64_t C = chunks.size(0);
+  const int64_t* cp = chunks.data_ptr<int64_t>();
+  std::vector<int64_t> keep;
+  for (int64_t c = 0; c < C; ++c) {
+    const int64_t first = cp[c * 3], last = first + cp[c * 3 + 1] - 1;
+    bool wanted = false;
+    for (int64_t i = 0; i < R; ++i) {
+      if (rows[i] == last) wanted = true;
+      else if (rows[i] >= first && rows[i] < last) return;  // an inner row: keep every chunk
+    }
+    if (wanted) keep.push_back(c);
+  }
+  const int64_t K = static_cast<int64_t>(keep.size());
+  out_chunks = at::empty({K, 3}, chunks.options());
+  int64_t* op = out_chunks.data_ptr<int64_t>();
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t* c = cp + keep[k] * 3;
+    op[k * 3] = c[0] + c[1] - 1, op[k * 3 + 1] = 1, op[k * 3 + 2] = c[2] + c[1] - 1;
+  }
+  out_tables = tables.index_select(0, at::tensor(keep, chunks.options()));
+}
+
 // [linears, attention, elementwise] seconds forward_layers spent since the last call (then 0).
 std::vector<double> layer_times() {
   std::vector<double> out(g_phase_seconds.begin(), g_phase_seconds.end());
@@ -319,6 +346,12 @@ at::Tensor forward_layers(const at::Tensor& x_in, const at::Tensor& cos, const a
       TORCH_CHECK(rp[i] >= 0 && rp[i] < T, "forward_layers: out row ", rp[i], " out of ", T);
     if (with_lora) narrow_last = rows_segments(*segments, rp, R, last_segments);
   }
+  // ... and, where every out row of a prefill chunk is its last one (no prompt logprobs), its
+  // attention over those queries alone: each such chunk shrinks to its last position
+  at::Tensor last_chunks, last_tables;
+  if (narrow_last && has_prefill)
+    last_query_chunks(*prefill_chunks, *prefill_tables, out_rows->data_ptr<int64_t>(), R,
+                      last_chunks, last_tables);
   auto linear = [&](const at::Tensor& in, const at::Tensor& w, int64_t l, int j, int64_t N,
                     const std::optional<at::Tensor>& b, at::Tensor& y) {
     if (!with_lora) {
@@ -349,8 +382,12 @@ at::Tensor forward_layers(const at::Tensor& x_in, const at::Tensor& cos, const a
     clock.lap(kLinears);
     rope_and_cache(qkv, cos, sin, q, kc, vc, slots, H, Hkv, D);
     clock.lap(kElementwise);
-    if (has_prefill)
+    if (has_prefill && last_chunks.defined() && l == L - 1) {
+      if (last_chunks.size(0) > 0)
+        paged_prefill_attention(q, kc, vc, last_chunks, last_tables, bs, scale, o);
+    } else if (has_prefill) {
       paged_prefill_attention(q, kc, vc, *prefill_chunks, *prefill_tables, bs, scale, o);
+    }
     if (has_decode)
       paged_decode_attention(q, *decode_rows, kc, vc, *decode_tables, *decode_lens, bs, scale, o);
     clock.lap(kAttention);
