@@ -2,23 +2,28 @@
 multiplexed-model routing, the way a Ray Serve LLM user runs LoRA.
 
     python benchmarks/routing.py            # 4 replicas x 3 slots, CPU cache 6, 12 adapters Zipf(1.1),
-                                            # 600 requests at 15/s, 3 policies (~4 min)
-    python benchmarks/routing.py --runs 2   # every policy twice, alternating (ABC, then CBA)
+                                            # 600 requests at 15/s, 4 policies (~6 min)
+    python benchmarks/routing.py --runs 2   # every policy twice, alternating (ABCD, then DCBA)
     python benchmarks/routing.py --smoke    # 2 replicas, 6 adapters, 60 requests
     python benchmarks/routing.py --adapters 40 --policies affinity,ray_multiplex
 
 One request trace (Poisson arrivals, adapters drawn Zipf(s), seeded) is replayed against the
-app deployed once per policy, on a fresh deployment each time:
-  affinity           AdapterAffinityRouter (deployments/router.py), `serve_app` router=affinity;
-                     the replicas report multiplexed ids too (serve_app's default), which the
+LLMServer deployment, deployed fresh per policy. A policy is a router and an engine's
+adapter-cache behaviour (`ENGINES`: raylora's keeps what the replica is asked for most and
+reads adapters in a worker thread; vLLM's is LRU and reads inside the step):
+  affinity           raylora as it ships: AdapterAffinityRouter (deployments/router.py) on
+                     raylora's engine; the replicas report multiplexed ids too, which the
                      router unions into its residency view
-  ray_multiplex      the peer: Ray's default PowerOfTwoChoicesRequestRouter, each replica
-                     reporting the adapters in its CPU cache as its multiplexed model ids
-                     (`@serve.multiplexed` with max_num_models_per_replica = max_cpu_loras,
-                     deployments/multiplexed_ids.py), so Ray picks 2 random replicas among the
-                     holders, else among those with the fewest ids, else among all
-  pow2_no_multiplex  Ray's default router with no ids reported: 2 random replicas (what a
-                     deployment without `@serve.multiplexed` gets; not what Ray Serve LLM runs)
+  ray_multiplex      the peer, what a Ray Serve LLM user runs: Ray's default
+                     PowerOfTwoChoicesRequestRouter, each replica reporting the adapters in its
+                     CPU cache as its multiplexed model ids (`@serve.multiplexed` with
+                     max_num_models_per_replica = max_cpu_loras, deployments/multiplexed_ids.py:
+                     2 random replicas among the holders, else among those with the fewest ids,
+                     else among all), on vLLM's adapter-cache behaviour
+  ray_multiplex_raylora_engine
+                     the same router on raylora's engine: the router-only comparison
+  pow2_no_multiplex  Ray's default router with no ids reported: 2 random replicas (a deployment
+                     without `@serve.multiplexed`; not what Ray Serve LLM runs)
 Requests go to the LLMServer deployment through a DeploymentHandle with the adapter as the
 multiplexed model id (the ingress's path, without the HTTP layer), from this driver, so the
 router runs here.
@@ -139,39 +144,71 @@ async def replay(handle, trace, max_tokens: int) -> tuple[list[float], list[str]
     return latencies, errors
 
 
-# policy -> (serve_app router, replicas report multiplexed ids)
-POLICIES: dict[str, tuple[str, bool]] = {
-    "affinity": ("affinity", True),
-    "ray_multiplex": ("pow2", True),
-    "pow2_no_multiplex": ("pow2", False),
+# policy -> (router, replicas report multiplexed ids, adapter-cache behaviour of the engine)
+POLICIES: dict[str, tuple[str, bool, str]] = {
+    "affinity": ("affinity", True, "raylora"),
+    "ray_multiplex": ("pow2", True, "vllm"),
+    "ray_multiplex_raylora_engine": ("pow2", True, "raylora"),
+    "pow2_no_multiplex": ("pow2", False, "vllm"),
 }
 PEER = "ray_multiplex"
+# engine -> LLMServer kwargs: raylora's (slots and CPU cache keep what this replica is asked
+# for most, the read in a worker thread) or vLLM's (LRU, the read inside the step)
+ENGINES: dict[str, dict] = {
+    "raylora": {"adapter_eviction": "frequency", "read_adapters_in_step": False},
+    "vllm": {"adapter_eviction": "lru", "read_adapters_in_step": True},
+}
+
+
+def build_llm_app(policy: str, args, model: str, adapters: dict[str, str]):
+    """The LLMServer deployment alone (the benchmark calls it through a handle), with
+    serve_app's engine arguments and deployment options."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    import serve_app
+    from deployments.llm_server import LLMServer
+
+    router, report_ids, engine_kind = POLICIES[policy]
+    engine, _ = serve_app.parse_args(
+        {
+            "model": model,
+            "max_loras": args.max_loras,
+            "max_cpu_loras": args.max_cpu_loras,
+            "max_num_seqs": args.max_num_seqs,
+            "num_kv_blocks": 256,
+        }
+    )
+    options: dict = {
+        "name": "LLMServer",
+        "num_replicas": args.replicas,
+        "ray_actor_options": {"num_cpus": 0.5},
+        "max_ongoing_requests": 2 * args.max_num_seqs,
+        "health_check_timeout_s": 60.0,
+    }
+    if router == "affinity":
+        kwargs = {"max_loras": args.max_loras}
+        if args.load_bound_c is not None:
+            kwargs["load_bound_c"] = args.load_bound_c
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class="deployments.router:AdapterAffinityRouter",
+            request_router_kwargs=kwargs,
+            request_routing_stats_period_s=1.0,
+        )
+    return serve.deployment(LLMServer, **options).bind(
+        engine_config=engine,
+        adapters=adapters,
+        report_interval_s=1.0,
+        report_multiplexed_ids=report_ids,
+        **ENGINES[engine_kind],
+    )
 
 
 def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -> dict:
     from ray import serve
 
-    import serve_app
-
-    router, report_ids = POLICIES[policy]
     app_name = f"bench-{policy}"
-    app = serve_app.build_app(
-        {
-            "model": model,
-            "adapters": adapters,
-            "num_replicas": args.replicas,
-            "num_cpus": 0.5,
-            "router": router,
-            "report_multiplexed_ids": report_ids,
-            "load_bound_c": args.load_bound_c,
-            "max_loras": args.max_loras,
-            "max_cpu_loras": args.max_cpu_loras,
-            "max_num_seqs": args.max_num_seqs,
-            "num_kv_blocks": 256,
-            "routing_stats_period_s": 1.0,
-            "report_interval_s": 1.0,
-        }
-    )
+    app = build_llm_app(policy, args, model, adapters)
     serve.run(app, name=app_name, route_prefix=None)
     try:
         handle = serve.get_deployment_handle("LLMServer", app_name=app_name)
@@ -208,13 +245,13 @@ def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -
 
 def print_table(results: list[dict], num_requests: int) -> None:
     header = (
-        f"{'policy':<19}{'ok':>6}{'slot loads':>12}{'disk loads':>12}{'all loads':>11}"
+        f"{'policy':<30}{'ok':>6}{'slot loads':>12}{'disk loads':>12}{'all loads':>11}"
         f"{'loads/req':>11}{'p50':>9}{'p99':>9}  adapters in CPU per replica"
     )
     print(header)
     for r in results:
         print(
-            f"{r['policy']:<19}{r['ok']:>6}{r['activations']:>12}{r['disk']:>12}"
+            f"{r['policy']:<30}{r['ok']:>6}{r['activations']:>12}{r['disk']:>12}"
             f"{r['loads']:>11}{r['loads'] / num_requests:>11.2f}{r['p50_ms']:>7.0f}ms"
             f"{r['p99_ms']:>7.0f}ms  {r.get('cpu_cached_per_replica', '')}"
         )
@@ -316,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serve.start(proxy_location="Disabled")
         for run in range(args.runs):
-            # ABC, CBA, ...: drift over time (a busier machine) hits every policy alike
+            # ABCD, DCBA, ...: drift over time (a busier machine) hits every policy alike
             for policy in policies if run % 2 == 0 else policies[::-1]:
                 results.append({**run_policy(policy, args, model, adapters, trace), "run": run})
                 print(f"  run {run + 1} {policy}: done in {results[-1]['wall_s']:.1f}s", flush=True)
@@ -343,6 +380,14 @@ def main(argv: list[str] | None = None) -> int:
         for what, met in judge(rows, len(counts), args.p99_tolerance):
             print(f"  {'met    ' if met else 'NOT MET'} {what}")
             missed |= not met
+    same = "ray_multiplex_raylora_engine"
+    if "affinity" in rows and same in rows:
+        a, m = rows["affinity"], rows[same]
+        print(
+            f"affinity against {same} (router only, same engine; not judged): slot loads "
+            f"{a['activations'] / max(1, m['activations']):.2f}x, disk loads "
+            f"{a['disk'] / max(1, m['disk']):.2f}x, p99 {a['p99_ms'] / m['p99_ms']:.2f}x"
+        )
     if "affinity" in rows and "pow2_no_multiplex" in rows:
         ratio = rows["pow2_no_multiplex"]["loads"] / max(1, rows["affinity"]["loads"])
         print(f"pow2_no_multiplex / affinity adapter loads: {ratio:.1f}x (not the peer)")

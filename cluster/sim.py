@@ -2,16 +2,17 @@
 
 Each replica models the engine scheduler: at most `max_num_seqs` requests running, at most
 `max_loras` distinct adapters among them (base requests take no slot), adapter tiers
-disk -> CPU cache (LRU, `max_cpu_loras`) -> GPU slots. A waiting request whose adapter cannot
+cold tier -> CPU cache (`max_cpu_loras`) -> GPU slots. A waiting request whose adapter cannot
 get a slot is skipped and keeps its place (oldest admissible request first); if the oldest
 waiting request has waited `starvation_ms` for a slot, the replica drains (admits no adapter
 requests) until a slot frees. Service: a request admitted with b requests running takes
 prefill_tokens * prefill_ms_per_token to its first token, then output_tokens steps of
-decode_ms_per_token * (1 + batch_slowdown * (b - 1)). Adapter loads are modelled as raylora's
-engine does them (cluster/sim_replica.py): the cold read (disk_load_ms) at arrival, off the
-step; the CPU -> slot copy (cpu_load_ms) inside the step, stalling every running request;
-`async_disk_loads=False` reads in the step as vLLM does. Simplification: the batch size (and
-so the step time) is fixed at admission.
+decode_ms_per_token * (1 + batch_slowdown * (b - 1)). Each policy runs on its system's engine
+(cluster/sim_config.py: raylora's routers on raylora's, Ray's on vLLM's, as Ray Serve LLM
+runs them), or every policy on one (`--engine`, or "router@engine"); what the two engines do
+with adapters (when the read runs, what stalls the step, which adapter is evicted) is in
+cluster/sim_replica.py. Simplification: the batch size (and so the step time) is fixed at
+admission. cluster/sim_floors.py: the loads no router can avoid.
 
 With `system_prompt_tokens`, every prompt starts with its tenant's system prompt (a tenant
 per adapter, plus `num_base_tenants` base tenants), and a replica with `prefix_cache_tokens`
@@ -38,7 +39,9 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from cluster.sim_replica import EVICTIONS, Replica, Request, SimConfig
+from cluster.sim_config import ENGINES, Request, SimConfig, engine_config
+from cluster.sim_floors import slot_load_floor
+from cluster.sim_replica import Replica
 from cluster.sim_router import POLICIES, Router
 from deployments.placement import AdapterPopularity
 from deployments.routing_policy import DEFAULT_LOAD_BOUND_C, ReplicaView
@@ -51,7 +54,8 @@ class SimResult:
     num_completed: int
     slot_loads_per_1k: float
     top_slot_loads_per_1k: float  # of those, loads of the num_replicas * max_loras top adapters
-    disk_loads_per_1k: float
+    disk_loads_per_1k: float  # reads into the CPU cache, from any tier
+    cold_loads_per_1k: float  # of those, from the cold tier
     ttft_p50_ms: float
     ttft_p99_ms: float
     served_max_over_mean: float
@@ -98,26 +102,14 @@ def _percentile(sorted_xs: list[float], q: float) -> float:
     return sorted_xs[min(len(sorted_xs) - 1, int(q * len(sorted_xs)))]
 
 
-def slot_load_floor(cfg: SimConfig) -> float:
-    """Fewest slot loads per 1,000 requests that any router and eviction policy can get.
-
-    The fleet holds at most num_replicas * max_loras adapters in slots at any moment. Arrivals
-    are independent of the past, so the chance that an adapter request finds its adapter in
-    some slot is at most the popularity mass of the num_replicas * max_loras most popular
-    adapters; every other adapter request needs a load (a load can serve several queued
-    requests for one adapter, which the bound ignores: rare outside the top adapters).
-    """
-    weights = _zipf_weights(cfg)  # the workload's own law
-    top = sum(weights[: cfg.num_replicas * cfg.max_loras])
-    return 1000 * (1 - cfg.base_fraction) * (1 - top / sum(weights))
-
-
 ARRIVAL, DONE, WAKE, PUSH, BROADCAST = range(5)  # event kinds, in tie-break order
 
 
 def simulate(policy: str, cfg: SimConfig, *, check: bool = False) -> SimResult:
-    """Run one policy over the workload of `cfg` (same seed -> same requests)."""
+    """Run one policy ("router" or "router@engine", cluster/sim_replica.py's engine_config)
+    over the workload of `cfg` (same seed -> same requests)."""
     t0 = time.perf_counter()
+    router_name, _, cfg = engine_config(policy, cfg)
     top = frozenset(_adapter_name(k) for k in range(cfg.num_replicas * cfg.max_loras))
     # fleet-wide request counts, what a registry fed by every router would hold: read by
     # the replicas only with popularity eviction
@@ -125,7 +117,7 @@ def simulate(policy: str, cfg: SimConfig, *, check: bool = False) -> SimResult:
     replicas = [
         Replica(f"replica-{i:03d}", cfg, check, top, fleet.count) for i in range(cfg.num_replicas)
     ]
-    router = Router(policy, replicas, cfg)
+    router = Router(router_name, replicas, cfg)
     events: list[tuple[float, int, int, Request | None, Replica | None]] = []
     tie = itertools.count()
     arrivals = _workload(cfg)
@@ -194,6 +186,7 @@ def simulate(policy: str, cfg: SimConfig, *, check: bool = False) -> SimResult:
         slot_loads_per_1k=1000 * sum(r.slot_loads for r in replicas) / n,
         top_slot_loads_per_1k=1000 * sum(r.top_slot_loads for r in replicas) / n,
         disk_loads_per_1k=1000 * sum(r.disk_loads for r in replicas) / n,
+        cold_loads_per_1k=1000 * sum(r.cold_loads for r in replicas) / n,
         ttft_p50_ms=_percentile(ttfts, 0.50),
         ttft_p99_ms=_percentile(ttfts, 0.99),
         served_max_over_mean=max(served) / (sum(served) / len(served)),
@@ -209,15 +202,16 @@ def simulate(policy: str, cfg: SimConfig, *, check: bool = False) -> SimResult:
 
 def format_table(results: list[SimResult]) -> str:
     head = (
-        f"{'policy':<22}{'loads/1k':>10}{'top/1k':>8}{'cold/1k':>9}{'ttft p50':>10}{'ttft p99':>10}"
+        f"{'policy':<26}{'loads/1k':>10}{'top/1k':>8}{'cold/1k':>9}{'reads/1k':>9}{'ttft p50':>10}"
+        f"{'ttft p99':>10}"
         f"{'served max/mean':>17}{'prefix hit':>12}{'queue max/mean':>16}{'batch':>7}"
         f"{'stall':>7}{'wall s':>8}"
     )
     rows = [head, "-" * len(head)]
     for r in results:
         rows.append(
-            f"{r.policy:<22}{r.slot_loads_per_1k:>10.1f}{r.top_slot_loads_per_1k:>8.1f}"
-            f"{r.disk_loads_per_1k:>9.1f}"
+            f"{r.policy:<26}{r.slot_loads_per_1k:>10.1f}{r.top_slot_loads_per_1k:>8.1f}"
+            f"{r.cold_loads_per_1k:>9.1f}{r.disk_loads_per_1k:>9.1f}"
             f"{r.ttft_p50_ms:>8.0f}ms{r.ttft_p99_ms:>8.0f}ms"
             f"{r.served_max_over_mean:>17.2f}{r.prefix_hit_rate:>12.1%}"
             f"{r.queue_max_over_mean:>16.2f}"
@@ -246,7 +240,8 @@ SERVICE_PRESETS: dict[str, dict[str, float]] = {
 
 # Where a cold adapter comes from (SimConfig.disk_load_ms): "local-disk" keeps the service
 # preset's figure; "object-storage" is a ~100 MB adapter (r=16, all linears of a 7-8B model in
-# bf16) fetched at ~50 MB/s from S3-class storage, as a fleet without local copies pays.
+# bf16) fetched at ~50 MB/s from S3-class storage, kept on the replica's local disk afterwards
+# (re-reads cost the preset's local-disk figure, SimConfig.local_read_ms).
 COLD_LOAD_PRESETS: dict[str, float | None] = {"local-disk": None, "object-storage": 2000.0}
 
 
@@ -265,13 +260,14 @@ def add_config_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cold-load", choices=sorted(COLD_LOAD_PRESETS), default="local-disk")
     ap.add_argument("--disk-load-ms", type=float, default=None, help="overrides --cold-load")
     ap.add_argument(
-        "--sync-disk-loads",
-        action="store_true",
-        help="read cold adapters inside the step, stalling it (vLLM); default: raylora's "
-        "read at arrival in a worker thread",
+        "--engine",
+        choices=["system", *ENGINES],
+        default="system",
+        help="system: each router on its own system's engine (raylora's routers on raylora's, "
+        "Ray's on vLLM's, as Ray Serve LLM runs them); raylora / vllm: every policy on that "
+        "one (a policy named router@engine picks its own)",
     )
     ap.add_argument("--no-stall", action="store_true", help="slot loads do not stall the step")
-    ap.add_argument("--eviction", choices=EVICTIONS, default="lru")
     ap.add_argument(
         "--residency-push-ms",
         type=float,
@@ -284,18 +280,18 @@ def add_config_args(ap: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace, **fields) -> SimConfig:
     service = dict(SERVICE_PRESETS[args.service])
     cold = COLD_LOAD_PRESETS[args.cold_load]
-    if args.disk_load_ms is not None:
-        cold = args.disk_load_ms
-    if cold is not None:
+    if cold is not None:  # a remote tier: what was fetched is re-read from local disk
+        service["local_read_ms"] = service.get("disk_load_ms", SimConfig().disk_load_ms)
         service["disk_load_ms"] = cold
+    if args.disk_load_ms is not None:
+        service["disk_load_ms"] = args.disk_load_ms
     return SimConfig(
         max_cpu_loras=args.cpu_loras,
         max_num_seqs=args.max_num_seqs,
         max_ongoing_requests=2 * args.max_num_seqs,
         load_bound_c=args.load_bound_c,
-        async_disk_loads=not args.sync_disk_loads,
+        engine=args.engine,
         stall_loads=not args.no_stall,
-        eviction=args.eviction,
         residency_push_ms=args.residency_push_ms,
         **fields,
         **service,
@@ -338,17 +334,18 @@ def main(argv: list[str] | None = None) -> None:
         f"max_num_seqs {cfg.max_num_seqs}), {cfg.num_adapters} adapters Zipf({cfg.zipf_s}), "
         f"{cfg.base_fraction:.0%} base, {cfg.num_requests} requests at "
         f"{cfg.utilization:.0%} utilisation ({1000 * cfg.arrival_rate_per_ms():.0f} req/s), "
-        f"cold load {cfg.disk_load_ms:.0f} ms ({'async' if cfg.async_disk_loads else 'in-step'}"
-        f"), slot load {cfg.cpu_load_ms:.0f} ms ({'stalls the step' if cfg.stall_loads else 'async'}"
-        f"), {cfg.eviction} eviction"
+        f"cold load {cfg.disk_load_ms:.0f} ms"
+        + (f" (then {cfg.local_read_ms:.0f} ms from local disk)" if cfg.local_read_ms else "")
+        + f", slot load {cfg.cpu_load_ms:.0f} ms"
+        f" ({'stalls the step' if cfg.stall_loads else 'async'}), engines: {cfg.engine}"
     )
     results = [simulate(p, cfg) for p in policies]
     print(format_table(results))
     floor = slot_load_floor(cfg)
     print(
-        f"slot-load floor for any router: {floor:.1f} loads/1k (the "
-        f"{cfg.num_replicas * cfg.max_loras} most popular adapters always in slots; top/1k: "
-        "the loads of those, which the floor counts as avoidable); per policy, loads / floor: "
+        f"slot-load floor for any router: {floor:.1f} loads/1k (cluster/sim_floors.py: the "
+        "slots the tail's own loads keep busy, the rest to the most requested adapters; or "
+        "the first load of each adapter in the trace); loads / floor: "
         + ", ".join(f"{r.policy} {r.slot_loads_per_1k / max(floor, 1e-9):.2f}x" for r in results)
     )
 

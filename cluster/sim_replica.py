@@ -1,17 +1,24 @@
-"""The simulator's model of one replica: its config, requests, and the engine scheduler as far
-as routing cares (max_num_seqs, max_loras slots, CPU cache, oldest-admissible admission with
+"""The simulator's model of one replica: the engine scheduler as far as routing cares (max_num_seqs, max_loras slots, CPU cache, oldest-admissible admission with
 the drain rule, adapter loads that stall the step). See cluster/sim.py for the whole simulator.
 
-Adapter loads, as raylora's engine does them (engine/async_llm_engine.py, model_runner.py):
-- disk -> CPU cache: `AsyncLLMEngine.generate` reads a missing adapter in a worker thread when
-  the request arrives, off the engine lock: steps go on, only that request waits
-  (`async_disk_loads=True`). vLLM reads it inside the step instead (`async_disk_loads=False`:
-  a cold load then stalls the step for disk_load_ms).
-- CPU cache -> slot: `ModelRunner.execute` copies the weights before the forward, so the whole
-  step waits: every running request on the replica is delayed by cpu_load_ms
-  (`stall_loads=True`, as in vLLM too). An adapter the CPU cache dropped between its read and
-  its admission is read again inside the step (`LoRAManager.activate`), stalling it for
-  disk_load_ms.
+Two engines (`ENGINES`), each the one its router ships with (`SYSTEM_ENGINE`):
+- raylora (deployments/llm_server.py, engine/async_llm_engine.py, scheduler.py, lora/manager.py):
+  the replica reads an adapter missing from the CPU cache in a worker thread when the request
+  arrives (`AsyncLLMEngine.add_lora`), off the engine lock: steps go on, only that request
+  waits (`async_disk_loads=True`). Slots and CPU cache evict the idle adapter this replica was
+  asked for least (its decayed request counts, `eviction="frequency"`), LRU among ties.
+- vLLM under Ray Serve LLM: the adapter is read into vLLM's CPU cache inside the engine step,
+  stalling it (`async_disk_loads=False`); slots and CPU cache are LRU (`eviction="lru"`).
+  From object storage, Ray Serve LLM's multiplex loader downloads the adapter to local disk
+  first, off the step (the request waits); vLLM then reads the local copy in the step.
+Both: the CPU cache -> slot copy runs inside the step, before the forward, so every running
+request waits for it (`stall_loads=True`). An adapter the CPU cache dropped between its read
+and its admission is read again inside the step.
+
+Tiers: slots <- CPU cache <- cold tier (`disk_load_ms`). With a remote cold tier
+(`local_read_ms` set: object storage), each replica keeps what it fetched on local disk (Ray
+Serve LLM's LoraModelLoader disk cache, the Hugging Face cache for raylora), and a CPU-cache
+miss of a local copy costs `local_read_ms`. Cold loads count reads from the cold tier.
 """
 
 from __future__ import annotations
@@ -19,91 +26,12 @@ from __future__ import annotations
 import bisect
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from deployments.routing_policy import DEFAULT_LOAD_BOUND_C, DEFAULT_MIN_LOAD_BOUND, ReplicaView
+from cluster.sim_config import Request, SimConfig
+from deployments.placement import AdapterPopularity
+from deployments.routing_policy import ReplicaView
 
-EVICTIONS = ("lru", "popularity")
-
-
-@dataclass(slots=True)
-class SimConfig:
-    num_replicas: int = 16
-    max_loras: int = 8  # GPU adapter slots per replica
-    max_cpu_loras: int = 64  # CPU cache per replica (holds slot adapters too): ~1000/16
-    max_num_seqs: int = 16  # 2 running requests per slot
-    max_ongoing_requests: int = 32  # Ray's per-replica cap used when routing: 2 x max_num_seqs
-    num_adapters: int = 1000
-    zipf_s: float = 1.1
-    base_fraction: float = 0.1  # requests for the base model (no adapter)
-    num_requests: int = 50_000
-    utilization: float = 0.7
-    prompt_tokens: int = 512  # mean; uniform in [mean/2, 3*mean/2]
-    output_tokens: int = 128  # mean; uniform in [mean/2, 3*mean/2]
-    # Placeholders until calibrated against benchmarks/ (docs/routing.md says which).
-    prefill_ms_per_token: float = 0.05
-    decode_ms_per_token: float = 12.0  # one decode step at batch size 1
-    batch_slowdown: float = 0.02  # step time grows by this fraction per extra running seq
-    cpu_load_ms: float = 3.0  # CPU cache -> GPU slot
-    disk_load_ms: float = 150.0  # disk (or object storage) -> CPU cache
-    async_disk_loads: bool = True  # raylora: read at arrival in a worker thread; vLLM: in-step
-    stall_loads: bool = True  # a slot load delays every running request (the step waits)
-    # "lru" is what raylora's engine does (SlotTable, LoRAManager); "popularity" evicts the
-    # idle adapter with the fewest fleet-wide requests (an engine change, simulated only)
-    eviction: str = "lru"
-    starvation_ms: float = 500.0
-    # How routers learn residency. Ray: a replica pushes its multiplexed ids when they change,
-    # checked every PUSH_MULTIPLEXED_MODEL_IDS_INTERVAL_S (0.1 s), the controller broadcasts
-    # them on its next loop (CONTROL_LOOP_INTERVAL_S, 0.1 s): 50-150 ms late here. 0 = instant.
-    residency_push_ms: float = 100.0
-    # Shared prompt prefixes (a tenant's system prompt): every adapter is a tenant with its
-    # own, and base requests belong to one of num_base_tenants tenants (uniformly). 0 = none.
-    system_prompt_tokens: int = 0
-    num_base_tenants: int = 4
-    # Each replica's prefix cache (the KV blocks of full prompt blocks, kept after a request
-    # ends): how many prefix tokens it holds, LRU by tenant. 0 = no prefix caching.
-    prefix_cache_tokens: int = 0
-    load_bound_c: float = DEFAULT_LOAD_BOUND_C
-    min_load_bound: int = DEFAULT_MIN_LOAD_BOUND
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.eviction not in EVICTIONS:
-            raise ValueError(f"eviction must be one of {EVICTIONS}, got {self.eviction!r}")
-
-    def mean_service_ms_full_batch(self) -> float:
-        step = self.decode_ms_per_token * (1 + self.batch_slowdown * (self.max_num_seqs - 1))
-        return self.prompt_tokens * self.prefill_ms_per_token + self.output_tokens * step
-
-    def unloaded_service_ms(self) -> float:
-        """Time to first token of a mean request on an idle replica with its adapter loaded."""
-        return self.prompt_tokens * self.prefill_ms_per_token
-
-    def arrival_rate_per_ms(self) -> float:
-        capacity = self.num_replicas * self.max_num_seqs / self.mean_service_ms_full_batch()
-        return self.utilization * capacity
-
-
-@dataclass(slots=True)
-class Request:
-    seq: int  # arrival order
-    adapter: str  # "" = base model
-    arrival: float
-    prompt_tokens: int  # the system prompt (prefix_tokens) included
-    output_tokens: int
-    tenant: str = ""  # whose system prompt the prompt starts with ("" = none)
-    prefix_tokens: int = 0
-    ttft: float = -1.0
-    finish: float = -1.0
-    cached_tokens: int = 0  # prompt tokens the replica's prefix cache served
-    first: float = -1.0  # first-token time before the stalls that come after admission
-    stall_index: int = 0  # replica stalls recorded before this request's admission
-    stall_seen: float = 0.0  # replica.stall_total when finish was last moved
-
-    @property
-    def routing_key(self) -> str:
-        """What affinity routing hashes: the adapter, or a base tenant's prefix."""
-        return self.adapter or (f"prefix:{self.tenant}" if self.tenant else "")
+LOCAL_HALF_LIFE = 1000  # requests at one replica: its counts for frequency eviction halve
 
 
 Popularity = Callable[[str], float]  # adapter -> fleet-wide request count (for eviction)
@@ -125,6 +53,8 @@ class Replica:
         self.cfg = cfg
         self.check = check
         self.popularity = popularity or (lambda _a: 0.0)
+        # this replica's own decayed request counts (what its engine sees): frequency eviction
+        self.local = AdapterPopularity(LOCAL_HALF_LIFE)
         self.num_running = 0
         self.running_by_adapter: dict[str, int] = {}  # adapter -> running requests
         self.slots: OrderedDict[str, float] = OrderedDict()  # adapter -> ready time; LRU order
@@ -134,7 +64,9 @@ class Replica:
         self.num_served = 0
         self.slot_loads = 0
         self.top_slot_loads = 0  # slot loads of adapters in self.top: reloads the floor excludes
-        self.disk_loads = 0
+        self.disk_loads = 0  # reads into the CPU cache, from any tier
+        self.cold_loads = 0  # of those, from the cold tier (all of them without a local tier)
+        self.on_disk: dict[str, float] = {}  # remote tier: adapter -> its local copy is ready at
         # step stalls: times and the running sum of their lengths (cum[i] = sum of the first i)
         self.stall_times: list[float] = []
         self.stall_cum: list[float] = [0.0]
@@ -185,19 +117,38 @@ class Replica:
     def enqueue(self, req: Request, now: float) -> float:
         """Queue `req`; returns when it can be admitted (after an async disk read)."""
         self._tick(now)
+        self.local.record(req.adapter)
         ready = now
-        if req.adapter and self.cfg.async_disk_loads:
-            if req.adapter in self.cpu:
-                self.cpu.move_to_end(req.adapter)  # the engine touches it on add_request
-                ready = max(now, self.cpu[req.adapter])
+        a = req.adapter
+        if a and self.cfg.async_disk_loads:
+            if a in self.cpu:
+                self.cpu.move_to_end(a)  # the engine touches it on add_request
+                ready = max(now, self.cpu[a])
             else:
-                self.disk_loads += 1
-                ready = now + self.cfg.disk_load_ms
-                self._cpu_insert(req.adapter, ready)
+                ready = self._read(a, now)
+                self._cpu_insert(a, ready)
+        elif a and self.cfg.local_read_ms is not None and a not in self.cpu:
+            # Ray Serve LLM: the multiplex loader fetches to local disk before vLLM sees it
+            ready = self.on_disk.get(a)
+            if ready is None:
+                self.cold_loads += 1
+                ready = self.on_disk[a] = now + self.cfg.disk_load_ms
+            ready = max(now, ready)
         self.queues.setdefault(req.adapter, deque()).append(req)
         self.num_waiting += 1
         self._view = None
         return ready
+
+    def _read(self, adapter: str, now: float) -> float:
+        """Read `adapter` into the CPU cache from its nearest tier: when the read is done."""
+        self.disk_loads += 1
+        cfg = self.cfg
+        if cfg.local_read_ms is not None and adapter in self.on_disk:
+            return max(now, self.on_disk[adapter]) + cfg.local_read_ms
+        self.cold_loads += 1
+        if cfg.local_read_ms is not None:
+            self.on_disk[adapter] = now + cfg.disk_load_ms
+        return now + cfg.disk_load_ms
 
     def _cpu_insert(self, adapter: str, ready: float) -> None:
         self.cpu[adapter] = ready
@@ -210,6 +161,8 @@ class Replica:
         """LRU first in `candidates`; with popularity eviction, the least requested of them."""
         if self.cfg.eviction == "popularity":
             return min(candidates, key=self.popularity)  # min keeps the LRU among ties
+        if self.cfg.eviction == "frequency":
+            return min(candidates, key=self.local.count)
         return candidates[0]
 
     def _can_get_slot(self) -> bool:
@@ -227,9 +180,8 @@ class Replica:
         if adapter in self.cpu and self.cpu[adapter] <= now:
             self.cpu.move_to_end(adapter)
         else:  # never read (vLLM: read in the step) or dropped since: read in the step
-            self.disk_loads += 1
+            cost += self._read(adapter, now) - now
             self._cpu_insert(adapter, now)
-            cost += cfg.disk_load_ms
         self.slot_loads += 1
         self.top_slot_loads += adapter in self.top
         if self.check:
@@ -289,11 +241,9 @@ class Replica:
     def _admissible_heads(self, now: float) -> list[tuple[int, str]]:
         """(seq, adapter) of each queue's oldest request the engine has, oldest first: a
         request whose adapter is still being read is not in the engine's queue yet."""
-        cpu = self.cpu
+        pending = self.cpu if self.cfg.async_disk_loads else self.on_disk
         return sorted(
-            (q[0].seq, a)
-            for a, q in self.queues.items()
-            if q and (not a or not self.cfg.async_disk_loads or cpu.get(a, 0.0) <= now)
+            (q[0].seq, a) for a, q in self.queues.items() if q and pending.get(a, 0.0) <= now
         )
 
     def schedule(self, now: float) -> list[Request]:

@@ -15,13 +15,21 @@ from __future__ import annotations
 import itertools
 import random
 
-from cluster.sim_replica import Replica, Request, SimConfig
+from cluster.sim_config import Request, SimConfig
+from cluster.sim_replica import Replica
 from deployments.placement import PlacementConfig, PlacementPlanner
-from deployments.routing_policy import ReplicaView, power_of_two, rank_replicas
+from deployments.routing_policy import (
+    RecentRoutes,
+    ReplicaView,
+    holders,
+    power_of_two,
+    rank_by_hash,
+    rank_replicas,
+)
 
 POLICIES = (
-    "affinity",  # placement by popularity + rendezvous hashing with bounded loads
-    "affinity_hash",  # the same without the placement: rendezvous order only
+    "affinity",  # adapters stay on their holders; hot ones placed on k homes by popularity
+    "affinity_hash",  # the rule before issue 15: rendezvous order, spill at the load bound
     "p2c",
     "ray_multiplex",  # Ray's multiplexed routing, ids learnt as Ray learns them
     "ray_multiplex_instant",  # the same with instant knowledge of every replica's ids
@@ -55,9 +63,8 @@ class Router:
         self.rr = itertools.cycle(replicas)
         self.instant = policy.endswith("_instant")
         self.replica_ids = [r.replica_id for r in replicas]
-        self.planner = PlacementPlanner(
-            PlacementConfig(max_loras=cfg.max_loras, load_bound_c=cfg.load_bound_c)
-        )
+        self.planner = PlacementPlanner(PlacementConfig(max_loras=cfg.max_loras))
+        self.recent = RecentRoutes()  # what this router sent, held until residency shows it
         # the prefix router's tree, reduced to what it decides on: which replicas it sent
         # each tenant's prefix to, and how much text it sent each replica
         self.routed_tenants: dict[str, set[str]] = {}
@@ -70,19 +77,29 @@ class Router:
 
     def route(self, req: Request) -> Replica:
         reps, rng = self.replicas, self.rng
-        if self.policy in ("affinity", "affinity_hash"):
-            home = None
-            if self.policy == "affinity":
-                self.planner.record(req.adapter)  # the Serve router sees every request too
-                home = self.planner.placement(self.replica_ids).get(req.routing_key)
+        if self.policy == "affinity":
+            self.planner.record(req.adapter)  # the Serve router sees every request too
+            views = self.recent.apply(self._views(), req.arrival / 1000)
+            home = self.planner.placement(self.replica_ids, lambda: holders(views)).get(
+                req.routing_key
+            )
             ranked = rank_replicas(
                 req.routing_key,
-                self._views(),
+                views,
                 load_bound_c=self.cfg.load_bound_c,
                 min_load_bound=self.cfg.min_load_bound,
                 rng=rng,
                 home=home,
             )
+            tiers = [[self.by_id[v.replica_id] for v in t] for t in ranked]
+        elif self.policy == "affinity_hash":
+            key = req.routing_key
+            if not key:
+                ranked = power_of_two(self._views(), rng)
+            else:
+                ranked = rank_by_hash(
+                    key, self._views(), self.cfg.load_bound_c, self.cfg.min_load_bound
+                )
             tiers = [[self.by_id[v.replica_id] for v in t] for t in ranked]
         elif self.policy == "p2c":
             tiers = [
@@ -97,6 +114,8 @@ class Router:
         else:
             tiers = [[rng.choice(reps)]]
         target = _pick(tiers, reps, self.cfg.max_ongoing_requests)
+        if self.policy == "affinity":
+            self.recent.record(target.replica_id, req.adapter, req.arrival / 1000)
         if req.tenant:
             self.routed_tenants.setdefault(req.tenant, set()).add(target.replica_id)
         self.routed_tokens[target.replica_id] += req.prompt_tokens

@@ -5,8 +5,9 @@ Requests come in as `deployments.protocol.GenerateRequest` and go back as a stre
 multiplexed_model_id=name)`); "" means the base model. The adapter is looked up in the
 catalog (deployments/replica_reporter.py: the AdapterRegistry's listing, plus the adapters
 the app was built with) and read into the engine's CPU cache on first use, in a worker
-thread: streams on this replica go on while an adapter is read from disk or the Hub. The
-engine's own LRU decides what stays in the CPU cache and in the slots; the reporter tells
+thread: streams on this replica go on while an adapter is read from disk or the Hub. What
+stays in the CPU cache and in the slots: the adapters this replica is asked for most (its
+decayed request counts, `adapter_eviction="frequency"`; "lru" is vLLM's). The reporter tells
 the registry and, through `record_routing_stats`, the AdapterAffinityRouter. With
 `report_multiplexed_ids` (default on) the replica also reports its CPU-cache adapters to Ray
 Serve as its multiplexed model ids, as a `@serve.multiplexed` replica does
@@ -36,6 +37,7 @@ from ray import serve
 
 from deployments.grpc_bind import bind_replica_grpc_to_node_ip
 from deployments.multiplexed_ids import MultiplexedIdReporter, push_for_this_replica
+from deployments.placement import AdapterPopularity
 from deployments.protocol import APIError, GenerateRequest, ReplicaOutput
 from deployments.replica_io import (
     RequestMetrics,
@@ -59,6 +61,9 @@ def _replica_id() -> str:
         return f"local-{uuid.uuid4().hex[:8]}"
 
 
+EVICTION_HALF_LIFE = 1000  # requests at this replica: its adapter counts halve over this many
+
+
 class LLMServer:
     """An engine replica. See the module docstring for adapters, residency and errors."""
 
@@ -71,6 +76,8 @@ class LLMServer:
         shutdown_timeout_s: float = 30.0,
         registry_state_file: str | None = None,
         report_multiplexed_ids: bool = True,
+        adapter_eviction: str = "frequency",
+        read_adapters_in_step: bool = False,
     ) -> None:
         from engine import AsyncLLMEngine, EngineConfig
 
@@ -78,6 +85,20 @@ class LLMServer:
         config = EngineConfig(**engine_config)
         self.engine = AsyncLLMEngine(config)
         self._max_loras = int(config.max_loras)
+        # Eviction of slots and CPU cache: "frequency" = the idle adapter this replica was
+        # asked for least (decayed counts); "lru" = vLLM's. read_adapters_in_step: skip the
+        # read in a worker thread, so the engine reads a missing adapter inside the step, as
+        # vLLM does (benchmarks/routing.py's peer arm).
+        if adapter_eviction not in ("frequency", "lru"):
+            raise ValueError(f"adapter_eviction must be frequency or lru, got {adapter_eviction!r}")
+        self._adapter_counts: AdapterPopularity | None = None
+        if adapter_eviction == "frequency":
+            self._adapter_counts = AdapterPopularity(EVICTION_HALF_LIFE)
+            self.engine.engine.scheduler.slots.priority = self._adapter_counts.count
+            self.engine.engine.model_runner.lora_manager.priority = self._adapter_counts.count
+        self._read_in_step = bool(read_adapters_in_step)
+        self._in_cpu: set[str] = set()  # the engine's CPU cache, as its listener last said
+        self.engine.add_residency_listener(self._on_residency)
         self.model_name: str = self.engine.model_name
         self.replica_id = _replica_id()
         self._shutdown_timeout_s = shutdown_timeout_s
@@ -159,6 +180,8 @@ class LLMServer:
         self._num_requests += 1
         if adapter:
             self._adapter_inflight[adapter] = self._adapter_inflight.get(adapter, 0) + 1
+        if self._adapter_counts is not None:
+            self._adapter_counts.record(adapter)
         try:
             request.check()
             lora_request = await self._lora_request(adapter) if adapter else None
@@ -229,14 +252,18 @@ class LLMServer:
                 "model_not_found",
             )
         lora_request = LoRARequest(name, self._lora_int_id(name), entry["source"])
-        if name not in self.engine.list_loras():
+        # not in the CPU cache (never read, or evicted since): read it now, off the step
+        if not self._read_in_step and name not in self._in_cpu:
             lock = self._load_locks.setdefault(name, asyncio.Lock())
             async with lock:  # one load per adapter, however many requests wait for it
-                if name not in self.engine.list_loras():
+                if name not in self._in_cpu:
                     loading = self._multiplex.loading(name) if self._multiplex else nullcontext()
                     with loading:
                         await self.engine.add_lora(lora_request)  # read in a worker thread
         return lora_request
+
+    def _on_residency(self, slots: list[str], cpu: list[str]) -> None:
+        self._in_cpu = set(cpu)  # from the engine thread: one assignment, no shared mutation
 
     def _lora_int_id(self, name: str) -> int:
         return self._lora_ids.setdefault(name, len(self._lora_ids) + 1)

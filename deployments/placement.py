@@ -1,36 +1,34 @@
-"""Popularity-aware placement of adapters: pure Python, no Ray, shared by the Serve router and
-the simulator (cluster/sim_router.py).
+"""Popularity-aware placement of hot adapters: pure Python, no Ray, shared by the Serve router
+and the simulator (cluster/sim_router.py).
 
-The plain rule (routing_policy.rank_replicas without a placement) sends each adapter to the
-first replica in its rendezvous order and spills along that order under load. Two things
-that rule cannot see cost adapter loads:
-- hashing puts Binomial(top adapters, 1/n) of the fleet's most popular adapters on each
-  replica: some get more than their slots hold, and reload them all day;
-- a hot adapter spills one replica at a time, to replicas that then load it, evict someone
-  else for it, and soon drop it again.
-`plan_placement` fixes both from fleet-wide request counts (`AdapterPopularity`): the most
-popular adapters, in popularity order, each get k replicas, k from their share of the
-traffic (llm-d bounds each LoRA to k pods for the same reason), chosen along the adapter's
-own rendezvous order but skipping replicas whose slots are already spoken for
-(`max_loras - reserve_slots` placed adapters) or whose placed traffic would pass
-load_bound_c x the mean. `reserve_slots` stay free on every replica for the adapters that
-are not placed (the tail: one load per request whatever the router does, see
-cluster/sim.py's slot_load_floor). Adapters that do not fit are not placed: they keep the
-plain hash rule.
+An adapter stays on the replicas that hold it (routing_policy.rank_replicas): that keeps
+slot and cold loads down, but one replica cannot carry an adapter with more traffic than
+a replica's share, and an adapter that takes a large part of one replica unbalances the
+fleet. `plan_placement` gives each such *hot* adapter k replicas, its *home*, from
+fleet-wide request counts (`AdapterPopularity`): k = ceil(share x n x headroom), placed
+only when k >= 2 (llm-d bounds each LoRA to k pods for the same reason). Its current
+holders come first (a placement never moves an adapter that is already there), then
+replicas whose estimated traffic stays under `balance_slack` x the mean, in the adapter's
+rendezvous order, within `max_loras - reserve_slots` placed adapters per replica (the
+other slots are for the adapters that are not placed). The router grows an adapter onto
+its next home only when every home holding it is over the load bound, so k is a bound on
+its replicas, not a target.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from deployments.routing_policy import DEFAULT_LOAD_BOUND_C, rendezvous_order
+from deployments.routing_policy import rendezvous_order
 
 DEFAULT_HALF_LIFE = 20_000  # requests: counts halve over this many routed requests
 DEFAULT_REPLAN_EVERY = 1_000  # requests between two placements
-DEFAULT_REPLICATION_HEADROOM = 1.25  # k = ceil(share * n * headroom)
+DEFAULT_REPLICATION_HEADROOM = 1.5  # k = ceil(share * n * headroom)
+DEFAULT_MIN_REPLICAS = 2  # an adapter is placed when its k is at least this
 DEFAULT_MIN_PLACED_SHARE = 0.0005  # below 1 request in 2,000 an adapter is not worth a slot
+DEFAULT_BALANCE_SLACK = 1.25  # a new home's placed traffic, over the mean placed traffic
 
 Placement = Mapping[str, tuple[str, ...]]  # adapter -> its replicas, in preference order
 
@@ -82,9 +80,9 @@ class PlacementConfig:
     max_loras: int  # GPU slots per replica
     reserve_slots: int | None = None  # None: max(1, max_loras // 4)
     headroom: float = DEFAULT_REPLICATION_HEADROOM
-    load_bound_c: float = DEFAULT_LOAD_BOUND_C
     min_share: float = DEFAULT_MIN_PLACED_SHARE
-    balance_slack: float = DEFAULT_LOAD_BOUND_C  # a replica's placed traffic / the mean
+    min_replicas: int = DEFAULT_MIN_REPLICAS
+    balance_slack: float = DEFAULT_BALANCE_SLACK  # a new home's placed traffic / the mean
 
     def placed_per_replica(self) -> int:
         reserve = max(1, self.max_loras // 4) if self.reserve_slots is None else self.reserve_slots
@@ -92,42 +90,60 @@ class PlacementConfig:
 
 
 def plan_placement(
-    shares: Mapping[str, float], replica_ids: Sequence[str], cfg: PlacementConfig
+    shares: Mapping[str, float],
+    replica_ids: Sequence[str],
+    cfg: PlacementConfig,
+    holders: Mapping[str, Sequence[str]] | None = None,
 ) -> dict[str, tuple[str, ...]]:
-    """Place the most popular adapters (see the module docstring); returns adapter ->
-    replicas in its rendezvous order. Deterministic in (shares, replica set): routers with
-    the same counts agree, and a replica leaving only moves what it held."""
+    """Place the hot adapters (see the module docstring); returns adapter -> its home, the
+    replicas holding it first, each group in the adapter's rendezvous order. Deterministic in
+    (shares, replica set, holders): routers that see the same agree.
+
+    holders: adapter -> replicas holding it now (slot or CPU cache)."""
     n = len(replica_ids)
     per_replica = cfg.placed_per_replica()
     if n == 0 or per_replica == 0:
         return {}
     ranked = sorted(((s, a) for a, s in shares.items()), key=lambda x: (-x[0], x[1]))
-    # the adapters that fit in the slots, most popular first, with their k
-    budget = n * per_replica
+    budget = n * per_replica  # placed slots, most popular first
     chosen: list[tuple[str, float, int]] = []
     for share, adapter in ranked:
         k = replication_factor(share, n, cfg.headroom)
-        if k > budget or share < cfg.min_share:
+        if k < cfg.min_replicas or k > budget or share < cfg.min_share:
             break
         chosen.append((adapter, share, k))
         budget -= k
-    # their traffic may put at most slack x the mean of it on one replica
+    placed = {a for a, _, _ in chosen}
+    held = holders or {}
+    # estimated traffic per replica: the adapters not placed where they are held, then the
+    # placed ones' parts as they are placed
+    load = dict.fromkeys(replica_ids, 0.0)
+    for adapter, share in shares.items():
+        where = [r for r in held.get(adapter, ()) if r in load]
+        if adapter not in placed:
+            for rid in where:
+                load[rid] += share / len(where)
     cap = cfg.balance_slack * sum(share for _, share, _ in chosen) / n
     num_placed = dict.fromkeys(replica_ids, 0)
-    placed_load = dict.fromkeys(replica_ids, 0.0)
     placement: dict[str, tuple[str, ...]] = {}
     for adapter, share, k in chosen:
         each = share / k
+        here = set(held.get(adapter, ()))
         order = rendezvous_order(adapter, replica_ids)
         room = [r for r in order if num_placed[r] < per_replica]
-        picks = [r for r in room if placed_load[r] + each <= cap + 1e-12][:k]
-        if len(picks) < k:  # the load cap binds: the least loaded with a slot left
-            rest = sorted((r for r in room if r not in picks), key=lambda r: placed_load[r])
+        picks = [r for r in room if r in here][:k]  # never move what is already there
+        new = [r for r in room if r not in here]
+        picks += [r for r in new if load[r] + each <= cap + 1e-12][: k - len(picks)]
+        if len(picks) < k:  # the cap binds: the least loaded with a slot left
+            rest = sorted((r for r in new if r not in picks), key=lambda r: load[r])
             picks += rest[: k - len(picks)]
         for rid in picks:
             num_placed[rid] += 1
-            placed_load[rid] += each
-        placement[adapter] = tuple(r for r in order if r in picks)
+            load[rid] += each
+        placement[adapter] = tuple(
+            [r for r in order if r in picks and r in here]
+            + [r for r in order if r in picks and r not in here]
+        )
     return placement
 
 
@@ -152,10 +168,17 @@ class PlacementPlanner:
     def record(self, adapter_id: str) -> None:
         self.popularity.record(adapter_id)
 
-    def placement(self, replica_ids: Sequence[str]) -> Placement:
+    def placement(
+        self,
+        replica_ids: Sequence[str],
+        holders: Callable[[], Mapping[str, Sequence[str]]] | None = None,
+    ) -> Placement:
+        """The current placement; replanned every `replan_every` requests or when the replica
+        set changes. holders() -> adapter -> replicas holding it (called only to replan)."""
         ids = tuple(sorted(replica_ids))
         n = self.popularity.num_recorded
         if ids != self._replica_ids or n - self._planned_at >= self.replan_every:
-            self._placement = plan_placement(self.popularity.shares(), ids, self.cfg)
+            held = holders() if holders is not None else {}
+            self._placement = plan_placement(self.popularity.shares(), ids, self.cfg, held)
             self._replica_ids, self._planned_at = ids, n
         return self._placement

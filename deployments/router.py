@@ -25,14 +25,16 @@ routed for `registry_max_age_s`; the next request starts it again.
 
 Placement (deployments/placement.py): the router counts the requests it routes
 (`on_request_routed`, once per request; base requests count in the total), and every
-`replan_every` requests places the most popular adapters on k replicas each, k from their
-share of that traffic, within the slots the replicas have (`max_loras`: the kwarg, else what
-the replicas report as `routing_stats["max_loras"]`; with neither, no placement and every
-adapter keeps the plain rendezvous rule). A placed adapter is routed to its homes first.
+`replan_every` requests gives each hot adapter (k >= 2) k homes, k from its share of that
+traffic, its current holders first, within the slots the replicas have (`max_loras`: the
+kwarg, else what the replicas report as `routing_stats["max_loras"]`; with neither, no
+placement: every adapter stays on its holders). A placed adapter grows onto its next home
+only when every home holding it is over the load bound.
 
 Configure through `request_router_config.request_router_kwargs`, which Ray passes to
 `initialize_state`:
-    load_bound_c (1.5), min_load_bound (4), registry_refresh_s (2.0), registry_max_age_s (30.0),
+    load_bound_c (1.25), min_load_bound (4), count_slack (0.05), recent_routes_s (2.0),
+    registry_refresh_s (2.0), registry_max_age_s (30.0),
     use_registry (True), seed (None), max_loras (None), use_placement (True),
     popularity_half_life (20000), replan_every (1000).
 """
@@ -56,9 +58,12 @@ from deployments.placement import (
     PlacementPlanner,
 )
 from deployments.routing_policy import (
+    DEFAULT_COUNT_SLACK,
     DEFAULT_LOAD_BOUND_C,
     DEFAULT_MIN_LOAD_BOUND,
+    RecentRoutes,
     ReplicaView,
+    holders,
     prefix_routing_key,
     rank_replicas,
 )
@@ -84,12 +89,11 @@ async def _fetch_registry_snapshot() -> dict:
 
 
 class AdapterAffinityRouter(RequestRouter):
-    """Rendezvous hashing with bounded loads for adapter requests and for base requests
-    with a long prompt (on its prefix key), power of two for other base requests.
-
-    Tiers (see `rank_replicas`): the first replica in the adapter's hash order that holds
-    it and is under c x mean load; else the first under the bound; else all by load.
-    Ray then takes the first tier with a replica whose queue is not full.
+    """Adapter requests stay on the replicas holding the adapter (a hot one on up to k
+    placed homes); a new adapter goes to a replica with the fewest adapters; base requests
+    with a long prompt follow their prefix key's hash order; other base requests: power of
+    two. Tiers: `rank_replicas`; Ray takes the first tier with a replica whose queue is not
+    full, the least loaded within it.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -100,6 +104,8 @@ class AdapterAffinityRouter(RequestRouter):
         self,
         load_bound_c: float = DEFAULT_LOAD_BOUND_C,
         min_load_bound: int = DEFAULT_MIN_LOAD_BOUND,
+        count_slack: float = DEFAULT_COUNT_SLACK,
+        recent_routes_s: float = 2.0,
         registry_refresh_s: float = 2.0,
         registry_max_age_s: float = 30.0,
         use_registry: bool = True,
@@ -114,6 +120,7 @@ class AdapterAffinityRouter(RequestRouter):
             raise ValueError(f"load_bound_c must be >= 1, got {load_bound_c}")
         self._load_bound_c = float(load_bound_c)
         self._min_load_bound = int(min_load_bound)
+        self._count_slack = float(count_slack)
         self._registry_refresh_s = float(registry_refresh_s)
         self._registry_max_age_s = float(registry_max_age_s)
         self._use_registry = bool(use_registry)
@@ -136,6 +143,9 @@ class AdapterAffinityRouter(RequestRouter):
         # prefix key -> the replicas this router sent it to, most recent last (LRU of keys):
         # they hold that prefix's KV, as residency tells where an adapter is
         self._prefix_holders: OrderedDict[str, list[str]] = OrderedDict()
+        # adapters this router sent each replica lately, counted as held there until the
+        # replica's own reports show them (routing_policy.RecentRoutes)
+        self._recent = RecentRoutes(recent_routes_s)
         if getattr(self, "_refresh_task", None) is not None:
             self._refresh_task.cancel()
         self._refresh_task: asyncio.Task | None = None
@@ -191,10 +201,12 @@ class AdapterAffinityRouter(RequestRouter):
     # -- placement ----------------------------------------------------------------------
 
     def _new_planner(self, max_loras: int) -> PlacementPlanner:
-        cfg = PlacementConfig(max_loras=max_loras, load_bound_c=self._load_bound_c)
+        cfg = PlacementConfig(max_loras=max_loras)
         return PlacementPlanner(cfg, half_life=self._half_life, replan_every=self._replan_every)
 
-    def _home(self, adapter_id: str, candidates: list[RunningReplica]) -> tuple[str, ...] | None:
+    def _home(
+        self, adapter_id: str, candidates: list[RunningReplica], views: list[ReplicaView]
+    ) -> tuple[str, ...] | None:
         """The adapter's placed replicas, or None (not placed, or no placement)."""
         if not self._use_placement or not adapter_id or adapter_id.startswith("prefix:"):
             return None
@@ -205,7 +217,7 @@ class AdapterAffinityRouter(RequestRouter):
                 return None
             self._planner = self._new_planner(min(known))
         ids = [r.replica_id.unique_id for r in candidates]
-        return self._planner.placement(ids).get(adapter_id)
+        return self._planner.placement(ids, lambda: holders(views)).get(adapter_id)
 
     @property
     def popularity(self):
@@ -253,13 +265,14 @@ class AdapterAffinityRouter(RequestRouter):
         residency = self._snapshot_residency()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         views = [self._view(r, residency) for r in candidate_replicas]
-        holders = self._prefix_holders.get(adapter_id) if adapter_id.startswith("prefix:") else None
-        if holders:
+        views = self._recent.apply(views, self._get_curr_time_s())
+        sent_to = self._prefix_holders.get(adapter_id) if adapter_id.startswith("prefix:") else None
+        if sent_to:
             views = [
                 ReplicaView(
                     v.replica_id, v.load, v.adapters_in_slots, v.adapters_in_cpu | {adapter_id}
                 )
-                if v.replica_id in holders
+                if v.replica_id in sent_to
                 else v
                 for v in views
             ]
@@ -268,8 +281,9 @@ class AdapterAffinityRouter(RequestRouter):
             views,
             load_bound_c=self._load_bound_c,
             min_load_bound=self._min_load_bound,
+            count_slack=self._count_slack,
             rng=self._rng,
-            home=self._home(adapter_id, candidate_replicas),
+            home=self._home(adapter_id, candidate_replicas, views),
         )
         return [[by_id[v.replica_id] for v in tier] for tier in tiers]
 
@@ -282,6 +296,7 @@ class AdapterAffinityRouter(RequestRouter):
             adapter_id = pending_request.metadata.multiplexed_model_id or ""
         if self._planner is not None:
             self._planner.record(adapter_id)
+        self._recent.record(replica_id.unique_id, adapter_id, self._get_curr_time_s())
         key = _prefix_key(pending_request) if pending_request is not None else ""
         if not key or adapter_id:
             return

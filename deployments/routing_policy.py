@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-DEFAULT_LOAD_BOUND_C = 1.5  # cluster/sim.py's default configuration: docs/routing.md
+DEFAULT_LOAD_BOUND_C = 1.25  # one set for the whole sweep: docs/routing.md
 DEFAULT_MIN_LOAD_BOUND = 4  # requests a replica batches before it can count as "full"
+DEFAULT_COUNT_SLACK = 0.05  # new_home: a replica may hold this share more than the fewest
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,12 @@ class ReplicaView:
     load: float  # ongoing requests at the replica (running + waiting), as Ray counts them
     adapters_in_slots: frozenset[str]
     adapters_in_cpu: frozenset[str]
+    # adapters it holds or is reading, counting what routers sent it lately (RecentRoutes);
+    # None: len(adapters_in_cpu)
+    num_adapters: int | None = None
+
+    def count(self) -> int:
+        return len(self.adapters_in_cpu) if self.num_adapters is None else self.num_adapters
 
     def holds(self, adapter_id: str) -> bool:
         return adapter_id in self.adapters_in_slots or adapter_id in self.adapters_in_cpu
@@ -82,12 +89,70 @@ def power_of_two(replicas: Sequence[ReplicaView], rng: random.Random) -> list[li
     return [pair, rest] if rest else [pair]
 
 
+def holders(views: Sequence[ReplicaView]) -> dict[str, list[str]]:
+    """adapter -> the replicas holding it (slot or CPU cache): what placement keeps."""
+    out: dict[str, list[str]] = {}
+    for v in views:
+        for adapter in v.adapters_in_slots | v.adapters_in_cpu:
+            out.setdefault(adapter, []).append(v.replica_id)
+    return out
+
+
+class RecentRoutes:
+    """The adapters this router sent to each replica in the last `grace_s` seconds, added to
+    the replica's adapter count (ReplicaView.num_adapters, what `new_home` evens out):
+    residency reaches routers late (Ray's multiplexed ids: a push every 0.1 s and a
+    controller loop; routing stats: every period) while a replica reads an adapter as soon as
+    its request arrives, so without this the new adapters of one instant all see the same
+    "fewest" replica. Base requests ("") are not counted."""
+
+    def __init__(self, grace_s: float = 2.0) -> None:
+        self.grace_s = grace_s
+        self.sent: dict[str, dict[str, float]] = {}  # replica -> adapter -> last sent at
+
+    def record(self, replica_id: str, adapter_id: str, now: float) -> None:
+        if adapter_id:
+            self.sent.setdefault(replica_id, {})[adapter_id] = now
+
+    def apply(self, views: Sequence[ReplicaView], now: float) -> list[ReplicaView]:
+        out = []
+        for v in views:
+            recent = self.sent.get(v.replica_id)
+            if recent:
+                for a in [a for a, t in recent.items() if now - t > self.grace_s]:
+                    del recent[a]
+            if recent and not recent.keys() <= v.adapters_in_cpu:
+                num = len(v.adapters_in_cpu | recent.keys())
+                v = ReplicaView(v.replica_id, v.load, v.adapters_in_slots, v.adapters_in_cpu, num)
+            out.append(v)
+        return out
+
+
+def new_home(candidates: Sequence[ReplicaView], count_slack: float) -> ReplicaView | None:
+    """Where an adapter no replica holds goes: among `candidates` (in the adapter's rendezvous
+    order), those holding at most `count_slack` more adapters than the fewest, and of those
+    the least loaded (the first in rendezvous order among equals).
+
+    Ray's rule for a model id nobody reports is two random replicas among those with the
+    fewest ids: it keeps the *number* of adapters per replica even, so the fleet's CPU caches
+    hold the catalog once over. The slack lets the load choose among nearly-even replicas,
+    which evens the traffic too (the first requests of a trace are mostly for the popular
+    adapters)."""
+    if not candidates:
+        return None
+    fewest = min(r.count() for r in candidates)
+    most = fewest + math.floor(count_slack * fewest)
+    even = [r for r in candidates if r.count() <= most]
+    return min(even, key=lambda r: r.load)  # min keeps the first of equals
+
+
 def rank_replicas(
     adapter_id: str,
     replicas: Sequence[ReplicaView],
     *,
     load_bound_c: float = DEFAULT_LOAD_BOUND_C,
     min_load_bound: int = DEFAULT_MIN_LOAD_BOUND,
+    count_slack: float = DEFAULT_COUNT_SLACK,
     rng: random.Random,
     home: Sequence[str] | None = None,
 ) -> list[list[ReplicaView]]:
@@ -98,32 +163,31 @@ def rank_replicas(
       tier 1: every other replica, least loaded first.
 
     Adapter requests: bound B = load_bound(total load, n, c, min_load_bound); a replica is
-    under it if load + 1 <= B.
+    under it if load + 1 <= B. A *holder* has the adapter in a slot or in its CPU cache.
+    An adapter stays on its holders: moving it costs a cold read there and the eviction of
+    someone else's adapter, so only Ray's queue cap (max_ongoing_requests, applied by Ray
+    to every tier) or the placement moves it on.
 
-    Without `home` (the adapter is not placed, deployments/placement.py), walk the
-    adapter's rendezvous order:
-      tier 0: the first replica in that order that has the adapter in a GPU slot and is
-              under the bound (no load at all);
-      tier 1: the first replica in that order that has it in its CPU cache and is under
-              the bound (a cheap CPU -> GPU load);
-      tier 2: the first replica in that order that is under the bound (a load from disk
-              if it is not there: where a cold adapter lands, on its first choice while
-              that has room);
-      tier 3: every other replica, least loaded first (all are over the bound, or the
-              tiers above rejected the request because their queues are full).
-    A hot adapter therefore spreads along its own order, one replica at a time, as its
-    holders pass the bound; a cold one stays on its first choice.
+    Without `home` (the adapter is not hot enough to be placed, deployments/placement.py):
+      tier 0: holders under the bound with it in a slot (Ray takes the least loaded);
+      tier 1: holders under the bound with it in the CPU cache;
+      tier 2: every holder, least loaded first (over the bound, it stays);
+      tier 3: if it has no holder, or every holder's queue is full: `new_home` among the
+              replicas under the bound;
+      tier 4: every other replica, least loaded first.
 
-    With `home` (the replicas the placement gave the adapter, in its rendezvous order):
-      tier 0: the home replicas under the bound with the adapter in a slot (Ray takes the
-              least loaded of them: the adapter's traffic is balanced over its holders);
-      tier 1: the home replicas under the bound with it in the CPU cache;
-      tier 2: the other home replicas under the bound (where it is loaded next);
-      tier 3: the first replica in rendezvous order outside the home that is under the
-              bound and holds the adapter (slot before CPU cache): a spill that costs no
-              disk load, while there is one;
-      tier 4: the first replica in rendezvous order under the bound (a spill that loads);
-      tier 5: every other replica, least loaded first.
+    With `home` (a hot adapter's k replicas, holders first, deployments/placement.py):
+      tier 0: homes under the bound with it in a slot (least loaded: its traffic is
+              balanced over them);
+      tier 1: homes under the bound with it in the CPU cache;
+      tier 2: the first home (in the placement's order) under the bound that does not hold
+              it: the adapter grows onto one more of its k homes only when every home
+              holding it is over the bound;
+      tier 3: the homes holding it, least loaded first; then the other homes;
+      tier 4: every other replica, least loaded first.
+
+    Keys "prefix:..." (base requests of one tenant, `prefix_routing_key`) need no slot:
+    they walk their rendezvous order (`rank_by_hash`) and spill as their holder fills.
 
     Empty tiers are left out; no replica appears twice.
     """
@@ -131,45 +195,74 @@ def rank_replicas(
         return []
     if not adapter_id:
         return power_of_two(replicas, rng)
+    if adapter_id.startswith("prefix:"):
+        return rank_by_hash(adapter_id, replicas, load_bound_c, min_load_bound)
 
-    by_id = {r.replica_id: r for r in replicas}
-    order = rendezvous_order(adapter_id, list(by_id))
-    bound = load_bound(sum(r.load for r in replicas), len(replicas), load_bound_c, min_load_bound)
-    tiers: list[list[ReplicaView]] = []
-    picked: set[str] = set()
-
-    def add(tier: list[ReplicaView]) -> None:
-        tier = [r for r in tier if r.replica_id not in picked]
-        if tier:
-            tiers.append(tier)
-            picked.update(r.replica_id for r in tier)
-
-    under = [by_id[i] for i in order if by_id[i].load + 1 <= bound]
-    home_ids = set(home or ())
-    homes = [r for r in under if r.replica_id in home_ids]
-    if homes:
-        add([r for r in homes if adapter_id in r.adapters_in_slots])
-        add([r for r in homes if adapter_id in r.adapters_in_cpu])
-        add(homes)
-        outside = [r for r in under if r.replica_id not in picked]
-        holders = [r for r in outside if adapter_id in r.adapters_in_slots] or [
-            r for r in outside if adapter_id in r.adapters_in_cpu
-        ]
-        add(holders[:1])
-        add([r for r in outside if r.replica_id not in picked][:1])
+    ranked, bound = _ordered(adapter_id, replicas, load_bound_c, min_load_bound)
+    tiers = _Tiers()
+    under = [r for r in ranked if r.load + 1 <= bound]
+    by_load = sorted(ranked, key=lambda r: r.load)  # stable: rendezvous order among equals
+    if home:
+        home_ids = set(home)
+        under_ids = {r.replica_id for r in under}
+        by_id = {r.replica_id: r for r in ranked}
+        homes = [by_id[h] for h in home if h in under_ids]  # in the placement's order
+        tiers.add([r for r in homes if adapter_id in r.adapters_in_slots])
+        tiers.add([r for r in homes if adapter_id in r.adapters_in_cpu])
+        tiers.add([r for r in homes if not r.holds(adapter_id)][:1])
+        tiers.add([r for r in by_load if r.replica_id in home_ids and r.holds(adapter_id)])
+        tiers.add([r for r in by_load if r.replica_id in home_ids])
     else:
-        first_free = under[0] if under else None
-        in_cpu = next((r for r in under if adapter_id in r.adapters_in_cpu), None)
-        # the walk stops at the first slot holder: CPU holders past it do not count
-        in_slots = next((r for r in under if adapter_id in r.adapters_in_slots), None)
-        if in_slots is not None and in_cpu is not None:
-            if under.index(in_cpu) > under.index(in_slots):
-                in_cpu = None
-        for r in (in_slots, in_cpu, first_free):
-            if r is not None:
-                add([r])
-    add(sorted((r for r in replicas if r.replica_id not in picked), key=lambda r: r.load))
-    return tiers
+        tiers.add([r for r in under if adapter_id in r.adapters_in_slots])
+        tiers.add([r for r in under if adapter_id in r.adapters_in_cpu])
+        tiers.add([r for r in by_load if r.holds(adapter_id)])
+        first = new_home([r for r in under if r.replica_id not in tiers.picked], count_slack)
+        tiers.add([first] if first is not None else [])
+    tiers.add(by_load)
+    return tiers.tiers
+
+
+def rank_by_hash(
+    key: str, replicas: Sequence[ReplicaView], load_bound_c: float, min_load_bound: int
+) -> list[list[ReplicaView]]:
+    """Walk `key`'s rendezvous order: tier 0 the first holder under the bound with it in a
+    slot, tier 1 the first with it in the CPU cache (before any slot holder past it), tier 2
+    the first replica under the bound; then every other replica by load. A key with more
+    requests than its holder takes spreads along its own order, one replica at a time."""
+    ranked, bound = _ordered(key, replicas, load_bound_c, min_load_bound)
+    under = [r for r in ranked if r.load + 1 <= bound]
+    in_slots = next((r for r in under if key in r.adapters_in_slots), None)
+    in_cpu = next((r for r in under if key in r.adapters_in_cpu), None)
+    if in_slots is not None and in_cpu is not None and under.index(in_cpu) > under.index(in_slots):
+        in_cpu = None  # the walk stops at the first slot holder
+    tiers = _Tiers()
+    for r in (in_slots, in_cpu, under[0] if under else None):
+        tiers.add([r] if r is not None else [])
+    tiers.add(sorted(ranked, key=lambda r: r.load))
+    return tiers.tiers
+
+
+def _ordered(
+    key: str, replicas: Sequence[ReplicaView], c: float, min_bound: int
+) -> tuple[list[ReplicaView], int]:
+    """(replicas in `key`'s rendezvous order, the load bound)."""
+    by_id = {r.replica_id: r for r in replicas}
+    ranked = [by_id[i] for i in rendezvous_order(key, list(by_id))]
+    return ranked, load_bound(sum(r.load for r in replicas), len(replicas), c, min_bound)
+
+
+class _Tiers:
+    """Ranked tiers under construction: empty tiers dropped, no replica twice."""
+
+    def __init__(self) -> None:
+        self.tiers: list[list[ReplicaView]] = []
+        self.picked: set[str] = set()
+
+    def add(self, tier: list[ReplicaView]) -> None:
+        tier = [r for r in tier if r.replica_id not in self.picked]
+        if tier:
+            self.tiers.append(tier)
+            self.picked.update(r.replica_id for r in tier)
 
 
 # ---- base requests that share a prompt prefix -----------------------------------------------

@@ -37,7 +37,7 @@ the rule the same traffic starves the adapter.
 """
 
 from collections import OrderedDict, deque
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -67,10 +67,16 @@ class SchedulerOutput:
 
 
 class SlotTable:
-    """Which adapter sits in which of the max_loras slots, least recently used first."""
+    """Which adapter sits in which of the max_loras slots, least recently used first.
+
+    Eviction: the idle adapter (no running sequence) with the lowest `priority(name)`, the
+    least recently used among equals; without a priority, plain LRU (vLLM's). The replica
+    sets priority to its decayed request counts per adapter (deployments/llm_server.py), so
+    an adapter asked for once does not push out one asked for every second."""
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
+        self.priority: Callable[[str], float] | None = None
         self.slot_of: OrderedDict[str, int] = OrderedDict()
         self.num_activations = 0
         self.num_evictions = 0
@@ -88,7 +94,8 @@ class SlotTable:
         if free:
             slot = free[0]
         else:
-            victim = next(n for n in self.slot_of if n not in in_use)
+            idle = [n for n in self.slot_of if n not in in_use]  # LRU first
+            victim = idle[0] if self.priority is None else min(idle, key=self.priority)
             slot = self.slot_of.pop(victim)
             self.num_evictions += 1
         self.slot_of[name] = slot

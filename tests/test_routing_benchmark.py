@@ -1,6 +1,7 @@
-"""benchmarks/routing.py --smoke: the three arms (affinity, Ray's multiplexed-id routing, Ray's
-router without ids) on a real local Serve deployment, every request completes (the bar against
-ray_multiplex is judged by the full benchmark, not on 60 requests)."""
+"""benchmarks/routing.py --smoke: the four arms (affinity on raylora's engine, Ray's
+multiplexed-id routing on vLLM's adapter-cache behaviour and on raylora's, Ray's router without
+ids) on a real local Serve deployment, every request completes (the bar against ray_multiplex
+is judged by the full benchmark, not on 60 requests)."""
 
 import subprocess
 import sys
@@ -9,8 +10,8 @@ import pytest
 
 from tests.serve_fixtures import REPO
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-ARMS = ["affinity", "ray_multiplex", "pow2_no_multiplex"]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+ARMS = ["affinity", "ray_multiplex", "ray_multiplex_raylora_engine", "pow2_no_multiplex"]
 
 
 def test_routing_benchmark_smoke(tmp_path):
@@ -24,7 +25,7 @@ def test_routing_benchmark_smoke(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=200,
+        timeout=260,
         cwd=REPO,
     )
     out = proc.stdout

@@ -96,26 +96,26 @@ def test_load_bound_idle_and_busy():
     loads=st.lists(st.integers(0, 12), min_size=1, max_size=8),
     slot_mask=st.integers(0, 255),
     cpu_mask=st.integers(0, 255),
-    adapter=st.sampled_from(["a", "b", "hot", "cold-7"]),
+    key=st.sampled_from(["prefix:a", "prefix:b", "prefix:hot"]),
     c=st.sampled_from([1.0, 1.1, 1.25, 2.0]),
     min_bound=st.sampled_from([1, 2, 4]),
 )
-def test_rank_matches_reference(loads, slot_mask, cpu_mask, adapter, c, min_bound):
+def test_prefix_keys_walk_their_order(loads, slot_mask, cpu_mask, key, c, min_bound):
     replicas = [
         view(
             f"r{i}",
             load,
-            slots=[adapter] if slot_mask >> i & 1 else [],
-            cpu=[adapter] if (cpu_mask | slot_mask) >> i & 1 else [],
+            slots=[key] if slot_mask >> i & 1 else [],
+            cpu=[key] if (cpu_mask | slot_mask) >> i & 1 else [],
         )
         for i, load in enumerate(loads)
     ]
     tiers = rank_replicas(
-        adapter, replicas, load_bound_c=c, min_load_bound=min_bound, rng=random.Random(0)
+        key, replicas, load_bound_c=c, min_load_bound=min_bound, rng=random.Random(0)
     )
     flat = [r.replica_id for t in tiers for r in t]
     assert sorted(flat) == sorted(r.replica_id for r in replicas)  # each replica exactly once
-    singles = ref_rank(adapter, replicas, c, min_bound)
+    singles = ref_rank(key, replicas, c, min_bound)
     assert singles, "with integer loads some replica is always under the bound"
     assert [t[0].replica_id for t in tiers[: len(singles)]] == singles
     assert all(len(t) == 1 for t in tiers[: len(singles)])
@@ -125,26 +125,113 @@ def test_rank_matches_reference(loads, slot_mask, cpu_mask, adapter, c, min_boun
     )
 
 
-def test_cold_adapter_stays_on_first_choice_hot_adapter_spreads_along_its_order():
-    order = rendezvous_order("hot", IDS)
-    loads = dict.fromkeys(IDS, 0)
+def ref_rank_adapter(adapter, replicas, c, min_bound, slack, home):
+    """Brute force of the documented adapter tiers, as sets of ids (None: empty tier)."""
+    n, total = len(replicas), sum(r.load for r in replicas)
+    bound = max(1, min_bound, math.ceil(c * (total + 1) / n))
+    order = {rid: i for i, rid in enumerate(ref_order(adapter, [r.replica_id for r in replicas]))}
+    under = [r for r in replicas if r.load + 1 <= bound]
+    slot = {r.replica_id for r in replicas if adapter in r.adapters_in_slots}
+    cpu = {r.replica_id for r in replicas if adapter in r.adapters_in_cpu}
+    holds = slot | cpu
+    under_ids = {r.replica_id for r in under}
+    if home:
+        growth = [h for h in home if h in under_ids and h not in holds][:1]
+        tiers = [
+            under_ids & set(home) & slot,
+            under_ids & set(home) & cpu,
+            set(growth),
+            set(home) & holds,
+            set(home),
+        ]
+    else:
+        tiers = [under_ids & slot, under_ids & cpu, holds]
+        cands = [r for r in under if r.replica_id not in holds]
+        new = set()
+        if cands:
+            fewest = min(len(r.adapters_in_cpu) for r in cands)
+            even = [r for r in cands if len(r.adapters_in_cpu) <= fewest + int(slack * fewest)]
+            # least loaded, then first in rendezvous order
+            new = {min(even, key=lambda r: (r.load, order[r.replica_id])).replica_id}
+        tiers.append(new)
+    out, seen = [], set()
+    for t in tiers:
+        t = t - seen
+        if t:
+            out.append(t)
+            seen |= t
+    rest = {r.replica_id for r in replicas} - seen
+    return out + ([rest] if rest else [])
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    loads=st.lists(st.integers(0, 12), min_size=1, max_size=8),
+    slot_mask=st.integers(0, 255),
+    cpu_mask=st.integers(0, 255),
+    home_mask=st.integers(0, 255),
+    others=st.lists(st.integers(0, 12), min_size=8, max_size=8),
+    c=st.sampled_from([1.0, 1.25, 2.0]),
+    min_bound=st.sampled_from([1, 4]),
+    slack=st.sampled_from([0.0, 0.05, 0.5]),
+)
+def test_rank_adapter_matches_reference(
+    loads, slot_mask, cpu_mask, home_mask, others, c, min_bound, slack
+):
+    a = "ad"
+    replicas = [
+        view(
+            f"r{i}",
+            load,
+            slots=[a] if slot_mask >> i & 1 else [],
+            cpu=([a] if (cpu_mask | slot_mask) >> i & 1 else [])
+            + [f"other-{j}" for j in range(others[i])],
+        )
+        for i, load in enumerate(loads)
+    ]
+    home = [f"r{i}" for i in range(len(loads)) if home_mask >> i & 1] or None
+    tiers = rank_replicas(
+        a,
+        replicas,
+        load_bound_c=c,
+        min_load_bound=min_bound,
+        count_slack=slack,
+        rng=random.Random(0),
+        home=home,
+    )
+    expected = ref_rank_adapter(a, replicas, c, min_bound, slack, home)
+    assert [{r.replica_id for r in t} for t in tiers] == expected
+    for t in tiers:  # within a tier Ray takes the least loaded: any order is fine
+        assert len({r.replica_id for r in t}) == len(t)
+
+
+def test_an_adapter_stays_on_its_holder_and_new_ones_even_the_counts():
+    # A holder over the bound keeps its adapter (Ray's queue cap is the only spill).
+    reps = [view("r0", 12, cpu=["a"]), *(view(i, 0) for i in IDS[1:])]
+    assert rank_replicas("a", reps, rng=random.Random(0))[0][0].replica_id == "r0"
+    # 24 new adapters, nothing completes: each goes where the fewest adapters are, so the
+    # replicas end with 3 each (Ray's fewest-ids rule keeps the same counts).
+    held: dict[str, list[str]] = {i: [] for i in IDS}
+    for k in range(24):
+        reps = [view(i, len(held[i]), cpu=held[i]) for i in IDS]
+        pick = rank_replicas(f"new-{k}", reps, count_slack=0, rng=random.Random(0))[0][0]
+        held[pick.replica_id].append(f"new-{k}")
+    assert sorted(len(v) for v in held.values()) == [3] * 8
+
+
+def test_a_hot_adapter_grows_onto_its_homes_one_at_a_time():
+    home = ["r3", "r5", "r1"]
+    loads = dict.fromkeys(IDS, 4)
     resident: dict[str, set[str]] = {i: set() for i in IDS}
     used: list[str] = []
-    for _ in range(40):  # nothing completes: "hot" takes all the load
-        reps = [view(i, loads[i], slots=resident[i]) for i in IDS]
-        pick = rank_replicas("hot", reps, rng=random.Random(0))[0][0].replica_id
+    for _ in range(60):  # nothing completes: "hot" takes all the new load
+        reps = [view(i, loads[i], slots=resident[i], cpu=resident[i]) for i in IDS]
+        pick = rank_replicas("hot", reps, rng=random.Random(0), home=home)[0][0].replica_id
         loads[pick] += 1
         resident[pick].add("hot")
         if pick not in used:
             used.append(pick)
-    assert used == order[: len(used)]  # spreads in its own order, one replica at a time
-
-    # With other traffic balanced around it, one request stays on its first choice.
-    reps = [view(i, 10) for i in IDS]
-    assert (
-        rank_replicas("cold", reps, rng=random.Random(0))[0][0].replica_id
-        == (rendezvous_order("cold", IDS)[0])
-    )
+    assert used == home  # in the home's order, and never off it while a home has room
 
 
 def test_base_requests_power_of_two():
@@ -194,70 +281,6 @@ def test_prefix_key_of_a_chat_is_its_conversation_before_the_last_turn():
 # ---- placement (deployments/placement.py) and the home tiers ---------------------------------
 
 
-def ref_rank_home(adapter, replicas, c, min_bound, home):
-    """Brute force of the documented tiers with a home: ids per tier, in order."""
-    n, total = len(replicas), sum(r.load for r in replicas)
-    bound = max(1, min_bound, math.ceil(c * (total + 1) / n))
-    by_id = {r.replica_id: r for r in replicas}
-    under = [by_id[i] for i in ref_order(adapter, list(by_id)) if by_id[i].load + 1 <= bound]
-    homes = [r for r in under if r.replica_id in home]
-    if not homes:
-        return None  # the plain rule applies
-    tiers = [
-        [r for r in homes if adapter in r.adapters_in_slots],
-        [r for r in homes if adapter in r.adapters_in_cpu and adapter not in r.adapters_in_slots],
-        [r for r in homes if adapter not in r.adapters_in_cpu],
-    ]
-    outside = [r for r in under if r.replica_id not in home]
-    holder = [r for r in outside if adapter in r.adapters_in_slots][:1] or [
-        r for r in outside if adapter in r.adapters_in_cpu
-    ][:1]
-    tiers.append(holder)
-    tiers.append([r for r in outside if r not in holder][:1])
-    return [sorted(r.replica_id for r in t) for t in tiers if t]
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    loads=st.lists(st.integers(0, 12), min_size=2, max_size=8),
-    slot_mask=st.integers(0, 255),
-    cpu_mask=st.integers(0, 255),
-    home_mask=st.integers(1, 255),
-    c=st.sampled_from([1.0, 1.25, 1.5, 2.0]),
-    min_bound=st.sampled_from([1, 4]),
-)
-def test_rank_with_home_matches_reference(loads, slot_mask, cpu_mask, home_mask, c, min_bound):
-    a = "hot"
-    replicas = [
-        view(
-            f"r{i}",
-            load,
-            slots=[a] if slot_mask >> i & 1 else [],
-            cpu=[a] if (cpu_mask | slot_mask) >> i & 1 else [],
-        )
-        for i, load in enumerate(loads)
-    ]
-    home = {f"r{i}" for i in range(len(loads)) if home_mask >> i & 1}
-    tiers = rank_replicas(
-        a, replicas, load_bound_c=c, min_load_bound=min_bound, rng=random.Random(0), home=home
-    )
-    flat = [r.replica_id for t in tiers for r in t]
-    assert sorted(flat) == sorted(r.replica_id for r in replicas)
-    expected = ref_rank_home(a, replicas, c, min_bound, home)
-    if expected is None:  # no home under the bound: the plain rule, as without a home
-        plain = rank_replicas(
-            a, replicas, load_bound_c=c, min_load_bound=min_bound, rng=random.Random(0)
-        )
-        assert [[r.replica_id for r in t] for t in tiers] == [
-            [r.replica_id for r in t] for t in plain
-        ]
-        return
-    got = [sorted(r.replica_id for r in t) for t in tiers[: len(expected)]]
-    assert got == expected
-    rest = tiers[len(expected) :]
-    assert len(rest) <= 1
-
-
 def test_popularity_decays_by_half_each_half_life():
     from deployments.placement import AdapterPopularity
 
@@ -284,16 +307,18 @@ def test_replication_factor_by_hand():
 
 
 def test_placement_by_hand():
-    """4 replicas x 4 slots, 1 reserved: 3 placed adapters per replica, 12 in all. 'a' (40%
-    of traffic) gets ceil(0.4 x 4 x 1.25) = 2 replicas, the first two of its own order."""
+    """4 replicas x 4 slots, headroom 1.5: 'a' (40% of traffic) gets ceil(0.4 x 4 x 1.5) = 3
+    homes; 'b' (10%: k = 1) is not placed, nor anything after it. Without holders the homes
+    are the first three of a's own order; a replica holding 'a' comes first."""
     from deployments.placement import PlacementConfig, plan_placement
 
     ids = ["r0", "r1", "r2", "r3"]
     shares = {"a": 0.4, "b": 0.1, "c": 0.05, "d": 0.0001}
-    plc = plan_placement(shares, ids, PlacementConfig(max_loras=4))
-    assert plc["a"] == tuple(rendezvous_order("a", ids)[:2])
-    assert len(plc["b"]) == 1 and len(plc["c"]) == 1
-    assert "d" not in plc  # under min_share: the plain rule
+    cfg = PlacementConfig(max_loras=4)
+    assert plan_placement(shares, ids, cfg) == {"a": tuple(rendezvous_order("a", ids)[:3])}
+    last = rendezvous_order("a", ids)[3]
+    homes = plan_placement(shares, ids, cfg, holders={"a": [last]})["a"]
+    assert homes == (last, *rendezvous_order("a", ids)[:2])
 
 
 @settings(max_examples=200, deadline=None)
@@ -301,21 +326,31 @@ def test_placement_by_hand():
     weights=st.lists(st.floats(0.001, 1.0), min_size=1, max_size=60),
     n=st.integers(1, 12),
     max_loras=st.integers(1, 8),
+    held=st.lists(st.integers(0, 11), max_size=30),
 )
-def test_placement_respects_slots_order_and_popularity(weights, n, max_loras):
+def test_placement_respects_slots_holders_and_popularity(weights, n, max_loras, held):
     from deployments.placement import PlacementConfig, plan_placement, replication_factor
 
     total = sum(weights) / 0.9  # 10% base
     shares = {f"ad-{i}": w / total for i, w in enumerate(weights)}
     ids = [f"r{i}" for i in range(n)]
+    holders: dict[str, list[str]] = {}
+    for j, r in enumerate(held):  # adapter j % len holds on replica r % n
+        holders.setdefault(f"ad-{j % len(weights)}", []).append(f"r{r % n}")
     cfg = PlacementConfig(max_loras=max_loras)
-    plc = plan_placement(shares, ids, cfg)
+    plc = plan_placement(shares, ids, cfg, holders)
     per_replica = Counter(r for homes in plc.values() for r in homes)
     assert all(v <= cfg.placed_per_replica() for v in per_replica.values())
     for a, homes in plc.items():
-        assert len(homes) == replication_factor(shares[a], n, cfg.headroom)
+        k = replication_factor(shares[a], n, cfg.headroom)
+        assert len(homes) == k >= cfg.min_replicas and len(set(homes)) == k
         order = rendezvous_order(a, ids)
-        assert list(homes) == [r for r in order if r in homes]  # in the adapter's own order
+        here = [r for r in homes if r in holders.get(a, ())]
+        assert list(homes[: len(here)]) == [r for r in order if r in here]  # holders first
+        assert list(homes[len(here) :]) == [r for r in order if r in homes[len(here) :]]
+        # a holder is left out only when the placed slots ran out on it
+        for r in set(holders.get(a, ())) - set(homes):
+            assert per_replica[r] == cfg.placed_per_replica() or len(here) == k
     # placed adapters are the most popular ones (a prefix of the popularity order)
     ranked = sorted(shares, key=lambda a: (-shares[a], a))
     assert ranked[: len(plc)] == sorted(plc, key=lambda a: (-shares[a], a))

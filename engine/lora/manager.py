@@ -13,6 +13,7 @@ Modules an adapter does not target stay zero in its slot, so they contribute not
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -38,6 +39,9 @@ class LoRAManager:
         self.cpu_cache: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self.known: dict[str, LoRARequest] = {}  # every adapter validated once
         self.pinned: set[str] = set()
+        # eviction order: the unpinned adapter with the lowest priority(name), LRU among
+        # equals; None = plain LRU (vLLM's). See SlotTable.priority.
+        self.priority: Callable[[str], float] | None = None
         self.slot_names: list[str | None] = [None] * config.max_loras
         self.num_loads = self.num_cpu_hits = self.num_cpu_evictions = 0
         self.linears = linears
@@ -98,9 +102,10 @@ class LoRAManager:
 
     def _make_room(self) -> None:
         while len(self.cpu_cache) >= self.config.max_cpu_loras:
-            victim = next((n for n in self.cpu_cache if n not in self.pinned), None)
-            if victim is None:
+            unpinned = [n for n in self.cpu_cache if n not in self.pinned]  # LRU first
+            if not unpinned:
                 raise RuntimeError("every adapter in the CPU cache is pinned; raise max_cpu_loras")
+            victim = unpinned[0] if self.priority is None else min(unpinned, key=self.priority)
             del self.cpu_cache[victim]
             self.num_cpu_evictions += 1
 
