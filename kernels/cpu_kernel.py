@@ -1,5 +1,6 @@
 """raylora's C++ CPU kernels (kernels/csrc/: lora_cpu.cpp, linear_cpu.cpp, packed_cpu.cpp,
-attention_cpu.cpp, prefill_attention_cpu.cpp, layers_cpu.cpp, sample_cpu.cpp),
+attention_cpu.cpp, prefill_attention_cpu.cpp, elementwise_cpu.cpp, layers_cpu.cpp,
+sample_cpu.cpp),
 built on first use with torch's cpp_extension (g++ and ninja) and cached on disk; None where
 they cannot be built.
 
@@ -49,6 +50,7 @@ _SOURCES = [
         "packed_cpu.cpp",
         "attention_cpu.cpp",
         "prefill_attention_cpu.cpp",
+        "elementwise_cpu.cpp",
         "layers_cpu.cpp",
         "sample_cpu.cpp",
     )
@@ -203,7 +205,7 @@ def cpu_elementwise_ops() -> tuple[Callable[..., torch.Tensor], Callable[..., tu
     """(`silu_and_mul(gate_up, intermediate)`, `rope_qk(qkv, cos, sin, H, Hkv, D)`): the
     decoder layer's activation and rope as one float32 pass each, for the Python layers
     (prefill, LoRA batches), where torch's ops make 2 and 8 passes and as many temporaries
-    (csrc/layers_cpu.cpp); None if off."""
+    (csrc/elementwise_cpu.cpp); None if off."""
     ops = _ops()
     return None if ops is None else (ops.silu_and_mul, ops.rope_qk)
 

@@ -134,7 +134,7 @@ def test_fused_decode_layers_match_the_python_layers(tmp_path):
 
 
 def test_elementwise_ops_match_torch():
-    """csrc/layers_cpu.cpp's silu_and_mul (vectorised e^x) and rope_qk against torch's ops,
+    """csrc/elementwise_cpu.cpp's silu_and_mul (vectorised e^x) and rope_qk against torch's ops,
     including lengths that are not a multiple of the 16-lane vectors and saturated inputs."""
     import torch.nn.functional as F
 

@@ -12,12 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.models.fused_layers import FusedLayers
 from kernels import LoRABackend, LoRABatchMeta, SlotWeights, base_linear
 from kernels.packed_weight import PackedWeight
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-# slot weight dtypes the C++ LoRA kernel reads (widened to fp32 in registers)
-_FUSED_LORA_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass
@@ -240,6 +239,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head.weight.requires_grad_(False)
         self.packed_head: PackedWeight | None = None  # pack_cpu_weights
         self.fused_layers_op = None  # enable_fused_layers
+        self.fused: FusedLayers | None = None
         self.register_buffer("inv_freq", rope_inv_freq(a), persistent=False)
 
     def forward(
@@ -262,8 +262,9 @@ class LlamaForCausalLM(nn.Module):
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        if self._fused_applies(ctx):  # returns the rows alone (their last layer alone, too)
-            return self.norm(self._fused_layers(x, cos, sin, ctx, rows))
+        if self.fused_layers_op is not None and self.fused.applies(ctx):
+            # the rows alone come back (their last layer runs them alone, too)
+            return self.norm(self.fused(self.fused_layers_op, x, cos, sin, ctx, rows))
         for layer in self.layers:
             x = layer(x, cos, sin, ctx)
         # only the rows that need logits go on: the vocab projection dominates small batches
@@ -281,77 +282,10 @@ class LlamaForCausalLM(nn.Module):
         """After pack_cpu_weights: run batches whose attention the C++ kernels take (decode
         tokens and prefill chunks, in any mix), without LoRA or with a LoRA batch the C++
         kernel takes, through `op` (kernels.cpu_kernel.cpu_forward_layers_op: every layer in
-        one C++ call, the same kernels; csrc/layers_cpu.cpp says why)."""
-        a = self.args
+        one C++ call, the same kernels; csrc/layers_cpu.cpp says why). `fused_layers_op = None`
+        turns it off again."""
         self.fused_layers_op = op
-        # qkv, o, gate_up, down of each layer in turn: forward_layers' order of LoRA arguments
-        self.fused_lora_linears = list(self.lora_linears().values())
-        self.fused_weights = [
-            w
-            for layer in self.layers
-            for w in (
-                layer.input_layernorm.weight,
-                layer.self_attn.qkv_proj.weight.data,
-                layer.self_attn.o_proj.weight.data,
-                layer.post_attention_layernorm.weight,
-                layer.mlp.gate_up_proj.weight.data,
-                layer.mlp.down_proj.weight.data,
-            )
-        ]
-        self.fused_biases = [layer.self_attn.qkv_proj.bias for layer in self.layers]
-        self.fused_dims = [a.num_heads, a.num_kv_heads, a.head_dim, a.intermediate_size]
-
-    def _fused_applies(self, ctx: ForwardContext) -> bool:
-        """Every row's attention on the C++ kernels (no SDPA buckets or chunks), and no LoRA or
-        a LoRA batch the C++ kernel takes (the CPU backend's route for it: tokens grouped by
-        slot, at most its cap a slot; fp32/bf16 slots)."""
-        md = ctx.attn
-        return (
-            self.fused_layers_op is not None
-            and not md.prefills
-            and not md.decodes
-            and (md.decode_batch is not None or md.prefill_batch is not None)
-            and (
-                ctx.lora is None
-                or ctx.lora.no_lora
-                or (
-                    getattr(ctx.lora_backend, "kernel_batch", False)
-                    and self.layers[0].mlp.down_proj.lora is not None
-                    and self.layers[0].mlp.down_proj.lora.a.dtype in _FUSED_LORA_DTYPES
-                )
-            )
-        )
-
-    def _fused_lora(self, ctx: ForwardContext) -> tuple[list, list, torch.Tensor | None]:
-        """forward_layers' LoRA arguments: a and b_t of qkv, o, gate_up, down of every layer,
-        their ranks, the batch's segments; empty for a base batch."""
-        if ctx.lora is None or ctx.lora.no_lora:
-            return [], [], None
-        slots = [lin.lora for lin in self.fused_lora_linears]
-        weights = [t for w in slots for t in (w.a, w.b_t)]
-        return weights, [w.ranks for w in slots], ctx.lora.segments
-
-    def _fused_layers(self, x, cos, sin, ctx: ForwardContext, rows: torch.Tensor) -> torch.Tensor:
-        """Hidden states of `rows` [S] after the last layer, [S, hidden]."""
-        md, attn = ctx.attn, [layer.self_attn for layer in self.layers]
-        d, p = md.decode_batch, md.prefill_batch
-        return self.fused_layers_op(
-            x,
-            cos[:, 0].contiguous(),
-            sin[:, 0].contiguous(),
-            self.fused_weights,
-            self.fused_biases,
-            [a.k_cache for a in attn],
-            [a.v_cache for a in attn],
-            md.slot_mapping,
-            *((d.rows, d.tables, d.lens) if d is not None else (None, None, None)),
-            *((p.chunks, p.tables) if p is not None else (None, None)),
-            [*self.fused_dims, md.block_size],
-            self.args.rms_norm_eps,
-            attn[0].scale,
-            *self._fused_lora(ctx),
-            rows,
-        )
+        self.fused = FusedLayers(self)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, hidden] from hidden_states -> logits [S, vocab] float32."""
