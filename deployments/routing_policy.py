@@ -11,7 +11,7 @@ import hashlib
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 DEFAULT_LOAD_BOUND_C = 1.25  # one set for the whole sweep: docs/routing.md
@@ -27,15 +27,18 @@ class ReplicaView:
     load: float  # ongoing requests at the replica (running + waiting), as Ray counts them
     adapters_in_slots: frozenset[str]
     adapters_in_cpu: frozenset[str]
-    # adapters it holds or is reading, counting what routers sent it lately (RecentRoutes);
-    # None: len(adapters_in_cpu)
-    num_adapters: int | None = None
+    # what a router sent it lately that it has not reported yet: being read (RecentRoutes)
+    adapters_reading: frozenset[str] = frozenset()
 
     def count(self) -> int:
-        return len(self.adapters_in_cpu) if self.num_adapters is None else self.num_adapters
+        return len(self.adapters_in_cpu | self.adapters_reading)
 
     def holds(self, adapter_id: str) -> bool:
         return adapter_id in self.adapters_in_slots or adapter_id in self.adapters_in_cpu
+
+    def in_cpu(self, adapter_id: str) -> bool:
+        """In its CPU cache, or on the way there."""
+        return adapter_id in self.adapters_in_cpu or adapter_id in self.adapters_reading
 
 
 def _weight(adapter_id: str, replica_id: str) -> int:
@@ -93,18 +96,19 @@ def holders(views: Sequence[ReplicaView]) -> dict[str, list[str]]:
     """adapter -> the replicas holding it (slot or CPU cache): what placement keeps."""
     out: dict[str, list[str]] = {}
     for v in views:
-        for adapter in v.adapters_in_slots | v.adapters_in_cpu:
+        for adapter in v.adapters_in_slots | v.adapters_in_cpu | v.adapters_reading:
             out.setdefault(adapter, []).append(v.replica_id)
     return out
 
 
 class RecentRoutes:
-    """The adapters this router sent to each replica in the last `grace_s` seconds, added to
-    the replica's adapter count (ReplicaView.num_adapters, what `new_home` evens out):
-    residency reaches routers late (Ray's multiplexed ids: a push every 0.1 s and a
-    controller loop; routing stats: every period) while a replica reads an adapter as soon as
-    its request arrives, so without this the new adapters of one instant all see the same
-    "fewest" replica. Base requests ("") are not counted."""
+    """The adapters this router sent to each replica in the last `grace_s` seconds and the
+    replica has not reported: `ReplicaView.adapters_reading` (a replica reads an adapter as
+    soon as its request arrives). Residency reaches routers late (Ray's multiplexed ids: a
+    push every 0.1 s and a controller loop; routing stats: every period), so without this the
+    new adapters of one instant all see the same "fewest" replica (`new_home`), and a second
+    request for a new adapter, sent before the first one's replica reported it, is placed
+    afresh and read from disk a second time elsewhere. Base requests ("") are not counted."""
 
     def __init__(self, grace_s: float = 2.0) -> None:
         self.grace_s = grace_s
@@ -121,9 +125,9 @@ class RecentRoutes:
             if recent:
                 for a in [a for a, t in recent.items() if now - t > self.grace_s]:
                     del recent[a]
-            if recent and not recent.keys() <= v.adapters_in_cpu:
-                num = len(v.adapters_in_cpu | recent.keys())
-                v = ReplicaView(v.replica_id, v.load, v.adapters_in_slots, v.adapters_in_cpu, num)
+            reading = recent.keys() - v.adapters_in_cpu - v.adapters_in_slots if recent else ()
+            if reading:
+                v = replace(v, adapters_reading=v.adapters_reading | reading)
             out.append(v)
         return out
 
@@ -208,13 +212,13 @@ def rank_replicas(
         by_id = {r.replica_id: r for r in ranked}
         homes = [by_id[h] for h in home if h in under_ids]  # in the placement's order
         tiers.add([r for r in homes if adapter_id in r.adapters_in_slots])
-        tiers.add([r for r in homes if adapter_id in r.adapters_in_cpu])
-        tiers.add([r for r in homes if not r.holds(adapter_id)][:1])
+        tiers.add([r for r in homes if r.in_cpu(adapter_id)])
+        tiers.add([r for r in homes if not r.holds(adapter_id) and not r.in_cpu(adapter_id)][:1])
         tiers.add([r for r in by_load if r.replica_id in home_ids and r.holds(adapter_id)])
         tiers.add([r for r in by_load if r.replica_id in home_ids])
     else:
         tiers.add([r for r in under if adapter_id in r.adapters_in_slots])
-        tiers.add([r for r in under if adapter_id in r.adapters_in_cpu])
+        tiers.add([r for r in under if r.in_cpu(adapter_id)])
         tiers.add([r for r in by_load if r.holds(adapter_id)])
         first = new_home([r for r in under if r.replica_id not in tiers.picked], count_slack)
         tiers.add([first] if first is not None else [])

@@ -126,6 +126,9 @@ def test_a_burst_of_new_adapters_is_dealt_one_per_replica():
         router.on_request_routed(pending[0], pick.replica_id, None)
         picks.append(pick.replica_id.unique_id)
     assert sorted(picks) == sorted(IDS)
+    # A second request for each, before any replica reported it, goes where the first went
+    # (it is being read there), not to a new home: one disk read per adapter.
+    assert [first_choice(router, reps, f"new-{k}") for k in range(len(IDS))] == picks
 
 
 def test_load_from_routing_stats_when_cache_is_empty():
@@ -256,8 +259,8 @@ def test_base_requests_with_a_shared_system_prompt_stay_on_one_replica():
 def test_placement_counts_routed_requests_and_grows_a_hot_adapter_onto_its_homes():
     """With max_loras known (the kwarg, or the replicas' routing stats), the router counts
     what it routes; after a replan, a hot adapter (half the traffic over 6 replicas:
-    k = ceil(0.5 x 6 x 1.5) = 5) held nowhere goes to the first of its 5 homes, then to the
-    other homes."""
+    k = ceil(0.5 x 6 x 1.5) = 5) stays first on the replica it was sent to, then grows onto
+    one more of its homes at a time (the next tier), then the other homes."""
     for kwargs, stats in (({"max_loras": 4}, None), ({}, 4)):
         router = make_router(use_registry=False, replan_every=10, **kwargs)
         reps = [FakeReplica(i) for i in IDS]
@@ -265,17 +268,21 @@ def test_placement_counts_routed_requests_and_grows_a_hot_adapter_onto_its_homes
             for r in reps:
                 r.routing_stats["max_loras"] = stats
         first_choice(router, reps, "cold-0")  # learns max_loras from the stats if needed
+        sent: dict[str, set[str]] = {}
         for k in range(40):
             pending: list = []
             adapter = "hot" if k % 2 == 0 else f"cold-{k}"
-            route(router, reps, adapter, pending)
-            router.on_request_routed(pending[0], reps[0].replica_id, None)
+            pick = route(router, reps, adapter, pending)[0][0].replica_id
+            router.on_request_routed(pending[0], pick, None)
+            sent.setdefault(adapter, set()).add(pick.unique_id)
         pop = router.popularity
         assert pop is not None and pop.count("hot") == 20 and pop.total == 40
-        homes = rendezvous_order("hot", IDS)[:5]  # nothing held: its own order
-        tiers = route(router, reps, "hot")
-        assert [r.replica_id.unique_id for r in tiers[0]] == homes[:1]
-        assert {r.replica_id.unique_id for r in tiers[1]} == set(homes[1:])
+        (holder,) = sent["hot"]  # every request of it went to one replica
+        tiers = [[r.replica_id.unique_id for r in t] for t in route(router, reps, "hot")]
+        assert tiers[0] == [holder]
+        assert len(tiers[1]) == 1 and tiers[1] != [holder]
+        homes = {holder, *tiers[1], *tiers[2]}
+        assert len(homes) == 5 and len(tiers[2]) == 3
 
 
 def test_no_placement_without_a_slot_count():

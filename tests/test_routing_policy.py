@@ -219,6 +219,22 @@ def test_an_adapter_stays_on_its_holder_and_new_ones_even_the_counts():
     assert sorted(len(v) for v in held.values()) == [3] * 8
 
 
+def test_an_adapter_being_read_counts_under_the_bound_only():
+    """An adapter a router sent a replica lately, not reported yet (ReplicaView.
+    adapters_reading), keeps the next request there while the replica is under the bound
+    (one disk read, not two); over it, the adapter is not yet held there and the request
+    goes to a new home. It counts towards the replica's adapters either way."""
+    reading = ReplicaView("r0", 0, frozenset(), frozenset(), frozenset({"a"}))
+    others = [view(i, 0) for i in IDS[1:]]
+    assert rank_replicas("a", [reading, *others], rng=random.Random(0))[0][0].replica_id == "r0"
+    busy = ReplicaView("r0", 12, frozenset(), frozenset(), frozenset({"a"}))
+    tiers = rank_replicas("a", [busy, *others], rng=random.Random(0))
+    assert tiers[0][0].replica_id != "r0" and busy.count() == 1
+    # placed: the home reading it comes first, then one more home
+    tiers = rank_replicas("a", [reading, *others], rng=random.Random(0), home=["r2", "r0", "r1"])
+    assert [[r.replica_id for r in t] for t in tiers[:3]] == [["r0"], ["r2"], ["r1"]]
+
+
 def test_a_hot_adapter_grows_onto_its_homes_one_at_a_time():
     home = ["r3", "r5", "r1"]
     loads = dict.fromkeys(IDS, 4)
