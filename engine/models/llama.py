@@ -147,7 +147,9 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     d = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    # on the CPU even under build_model's meta device: meta arange goes through torch._refs
+    pos = torch.arange(0, d, 2, dtype=torch.float64, device="cpu")
+    inv_freq = 1.0 / (args.rope_theta ** (pos / d))
     s = args.rope_scaling
     if s is None:
         return inv_freq.float()
@@ -231,7 +233,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, a: ModelArgs) -> None:
         super().__init__()
         self.args = a
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        # _weight: no random init (the loader fills it); on the meta device normal_ would go
+        # through torch._refs, whose first use imports torch._dynamo: 1.7 s of start-up
+        weight = torch.empty(a.vocab_size, a.hidden_size, requires_grad=False)
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, _weight=weight)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
