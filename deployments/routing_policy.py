@@ -174,7 +174,8 @@ def rank_replicas(
 
     Without `home` (the adapter is not hot enough to be placed, deployments/placement.py):
       tier 0: holders under the bound with it in a slot (Ray takes the least loaded);
-      tier 1: holders under the bound with it in the CPU cache;
+      tier 1: holders under the bound with it in the CPU cache, or reading it (sent it
+              lately, not reported yet: ReplicaView.adapters_reading);
       tier 2: every holder, least loaded first (over the bound, it stays);
       tier 3: if it has no holder, or every holder's queue is full: `new_home` among the
               replicas under the bound;
@@ -183,9 +184,9 @@ def rank_replicas(
     With `home` (a hot adapter's k replicas, holders first, deployments/placement.py):
       tier 0: homes under the bound with it in a slot (least loaded: its traffic is
               balanced over them);
-      tier 1: homes under the bound with it in the CPU cache;
-      tier 2: the first home (in the placement's order) under the bound that does not hold
-              it: the adapter grows onto one more of its k homes only when every home
+      tier 1: homes under the bound with it in the CPU cache or reading it;
+      tier 2: the first home (in the placement's order) under the bound that neither holds
+              nor reads it: the adapter grows onto one more of its k homes only when every home
               holding it is over the bound;
       tier 3: the homes holding it, least loaded first; then the other homes;
       tier 4: every other replica, least loaded first.
