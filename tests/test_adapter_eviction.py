@@ -50,6 +50,22 @@ def _as_adapter(name: str) -> None:
     _serve_request_context.set(_RequestContext(multiplexed_model_id=name))
 
 
+async def _serve_then_cached(model_dir: str, adapters: dict[str, str], names: str, **kwargs):
+    """An LLMServer (CPU cache of 2, 1 slot; no Ray) with `kwargs`, one request for each
+    adapter in `names` in turn; returns the adapters left in its CPU cache."""
+    from deployments.llm_server import LLMServer
+
+    server = object.__new__(LLMServer)
+    engine = {"max_loras": 1, "max_cpu_loras": 2, "max_num_seqs": 4, "num_kv_blocks": 64}
+    await LLMServer.__init__(server, {"model": model_dir, **engine}, adapters=adapters, **kwargs)
+    try:
+        for i, name in enumerate(names):
+            await _complete(server, name, i)
+        return set(server.engine.engine.model_runner.lora_manager.cpu_cache)
+    finally:
+        await server.__del__()
+
+
 async def _complete(server, adapter: str, i: int) -> None:
     async def one():
         _as_adapter(adapter)
@@ -74,31 +90,13 @@ def three_adapters(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
 def test_cpu_cache_keeps_the_adapter_asked_for_most(tiny_model_dir, three_adapters, eviction, left):
     """CPU cache of 2: a asked for three times, then b once, then c. LRU drops a (the least
     recently used); frequency drops b (asked for once)."""
-    from deployments.llm_server import LLMServer
-
-    async def run():
-        server = object.__new__(LLMServer)
-        engine = {"max_loras": 1, "max_cpu_loras": 2, "max_num_seqs": 4, "num_kv_blocks": 64}
-        await LLMServer.__init__(
-            server,
-            {"model": tiny_model_dir, **engine},
-            adapters=three_adapters,
-            adapter_eviction=eviction,
-        )
-        try:
-            for i, name in enumerate("aaabc"):
-                await _complete(server, name, i)
-            return set(server.engine.engine.model_runner.lora_manager.cpu_cache)
-        finally:
-            await server.__del__()
-
-    assert asyncio.run(run()) == left
+    run = _serve_then_cached(tiny_model_dir, three_adapters, "aaabc", adapter_eviction=eviction)
+    assert asyncio.run(run) == left
 
 
 def test_in_step_read_skips_the_worker_thread(tiny_model_dir, three_adapters, monkeypatch):
     """read_adapters_in_step (vLLM's way): the replica does not read the adapter ahead in a
     worker thread; the engine reads it inside the step, and the request completes."""
-    from deployments.llm_server import LLMServer
     from engine import AsyncLLMEngine
 
     reads: list[str] = []
@@ -110,20 +108,10 @@ def test_in_step_read_skips_the_worker_thread(tiny_model_dir, three_adapters, mo
 
     monkeypatch.setattr(AsyncLLMEngine, "add_lora", spy)
 
-    async def run(in_step: bool):
-        server = object.__new__(LLMServer)
-        engine = {"max_loras": 1, "max_cpu_loras": 2, "max_num_seqs": 4, "num_kv_blocks": 64}
-        await LLMServer.__init__(
-            server,
-            {"model": tiny_model_dir, **engine},
-            adapters=three_adapters,
-            read_adapters_in_step=in_step,
+    def run(in_step: bool):
+        return _serve_then_cached(
+            tiny_model_dir, three_adapters, "a", read_adapters_in_step=in_step
         )
-        try:
-            await _complete(server, "a", 0)
-            return set(server.engine.engine.model_runner.lora_manager.cpu_cache)
-        finally:
-            await server.__del__()
 
     assert asyncio.run(run(True)) == {"a"} and reads == []
     assert asyncio.run(run(False)) == {"a"} and reads == ["a"]
