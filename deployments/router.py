@@ -46,6 +46,7 @@ import logging
 import random
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -267,11 +268,9 @@ class AdapterAffinityRouter(RequestRouter):
         views = [self._view(r, residency) for r in candidate_replicas]
         views = self._recent.apply(views, self._get_curr_time_s())
         sent_to = self._prefix_holders.get(adapter_id) if adapter_id.startswith("prefix:") else None
-        if sent_to:
+        if sent_to:  # keeps the other fields (what RecentRoutes added)
             views = [
-                ReplicaView(
-                    v.replica_id, v.load, v.adapters_in_slots, v.adapters_in_cpu | {adapter_id}
-                )
+                replace(v, adapters_in_cpu=v.adapters_in_cpu | {adapter_id})
                 if v.replica_id in sent_to
                 else v
                 for v in views

@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 
 from cluster.sim import POLICIES, SimConfig, format_table, main, simulate, slot_load_floor
-from cluster.sim_floors import steady_slot_floor_per_1k
+from cluster.sim_floors import cold_load_floor, steady_slot_floor_per_1k
 
 SMALL = SimConfig(
     num_replicas=4,
@@ -61,8 +61,6 @@ def test_floors_by_hand():
     each holding its slot H = 100 ms: lam = 5/s each, U_min = lam H / (1 + lam H) = 1/3
     each, 1/3 of the slot left to raise one of them to 2/3: misses 5 (1 - 2/3) + 5 (1 - 1/3)
     = 5/s of 10/s, 500 per 1k."""
-    from cluster.sim_floors import cold_load_floor, steady_slot_floor_per_1k
-
     cfg = SimConfig(
         num_replicas=1,
         max_loras=1,
