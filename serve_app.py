@@ -167,6 +167,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     router_config = None
     if opts["router"] == "affinity" and importlib.util.find_spec("deployments.router"):
         kwargs = {k: opts[k] for k in ("load_bound_c", "min_load_bound") if opts[k] is not None}
+        if "max_loras" in engine:  # else the placement learns it from the routing stats
+            kwargs["max_loras"] = engine["max_loras"]
         router_config = RequestRouterConfig(
             request_router_class="deployments.router:AdapterAffinityRouter",
             request_router_kwargs=kwargs,

@@ -313,6 +313,7 @@ class LLMServer:
             "num_running": int(stats["num_running"]),
             "num_waiting": int(stats["num_waiting"]),
             "engine_dead": bool(self.engine.errored),  # the router routes around it
+            "max_loras": self._max_loras,  # the placement's slot count (deployments/placement.py)
         }
 
     def record_autoscaling_stats(self) -> dict[str, float]:

@@ -157,9 +157,12 @@ class PlacementPlanner:
         *,
         half_life: int = DEFAULT_HALF_LIFE,
         replan_every: int = DEFAULT_REPLAN_EVERY,
+        popularity: AdapterPopularity | None = None,
     ) -> None:
+        """popularity: counts kept so far (a router counts from its first request, before
+        it knows the slot count); else a new AdapterPopularity(half_life)."""
         self.cfg = cfg
-        self.popularity = AdapterPopularity(half_life)
+        self.popularity = popularity if popularity is not None else AdapterPopularity(half_life)
         self.replan_every = replan_every
         self._placement: dict[str, tuple[str, ...]] = {}
         self._replica_ids: tuple[str, ...] = ()

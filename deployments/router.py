@@ -55,6 +55,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from deployments.placement import (
     DEFAULT_HALF_LIFE,
     DEFAULT_REPLAN_EVERY,
+    AdapterPopularity,
     PlacementConfig,
     PlacementPlanner,
 )
@@ -130,8 +131,9 @@ class AdapterAffinityRouter(RequestRouter):
         self._use_placement = bool(use_placement)
         self._half_life = int(popularity_half_life)
         self._replan_every = int(replan_every)
-        # what the placement counts: every routed request (AdapterPopularity); made when the
-        # slot count is known (the kwarg, or the replicas' routing stats)
+        # what the placement counts: every routed request, from the first one; the planner
+        # is made when the slot count is known (the kwarg, or the replicas' routing stats)
+        self._popularity = AdapterPopularity(self._half_life)
         self._planner: PlacementPlanner | None = None
         if self._use_placement and self._max_loras is not None:
             self._planner = self._new_planner(self._max_loras)
@@ -203,7 +205,7 @@ class AdapterAffinityRouter(RequestRouter):
 
     def _new_planner(self, max_loras: int) -> PlacementPlanner:
         cfg = PlacementConfig(max_loras=max_loras)
-        return PlacementPlanner(cfg, half_life=self._half_life, replan_every=self._replan_every)
+        return PlacementPlanner(cfg, replan_every=self._replan_every, popularity=self._popularity)
 
     def _home(
         self, adapter_id: str, candidates: list[RunningReplica], views: list[ReplicaView]
@@ -221,9 +223,9 @@ class AdapterAffinityRouter(RequestRouter):
         return self._planner.placement(ids, lambda: holders(views)).get(adapter_id)
 
     @property
-    def popularity(self):
-        """The request counts the placement uses (None before the slot count is known)."""
-        return None if self._planner is None else self._planner.popularity
+    def popularity(self) -> AdapterPopularity:
+        """The request counts the placement uses (kept from the first routed request)."""
+        return self._popularity
 
     # -- views --------------------------------------------------------------------------
 
@@ -284,7 +286,21 @@ class AdapterAffinityRouter(RequestRouter):
             rng=self._rng,
             home=self._home(adapter_id, candidate_replicas, views),
         )
+        self._note_new_read(adapter_id, tiers)
         return [[by_id[v.replica_id] for v in tier] for tier in tiers]
+
+    def _note_new_read(self, adapter_id: str, tiers: list[list[ReplicaView]]) -> None:
+        """Count a first tier of one replica that neither holds nor reads the adapter (a new
+        home, or a placed adapter's next home) as reading it now. Ray routes a burst's
+        requests concurrently and calls on_request_routed only after the replica accepted
+        (a round trip), so without this every request of a burst for a new adapter sees it
+        held nowhere and may open another home: two disk reads. If Ray sends the request
+        elsewhere (that replica's queue full), the note expires after recent_routes_s."""
+        if not adapter_id or adapter_id.startswith("prefix:") or not tiers or len(tiers[0]) != 1:
+            return
+        (first,) = tiers[0]
+        if not first.holds(adapter_id) and not first.in_cpu(adapter_id):
+            self._recent.record(first.replica_id, adapter_id, self._get_curr_time_s())
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         """Count the request for the placement and remember where a base request's prefix
@@ -293,8 +309,7 @@ class AdapterAffinityRouter(RequestRouter):
         adapter_id = ""
         if pending_request is not None:
             adapter_id = pending_request.metadata.multiplexed_model_id or ""
-        if self._planner is not None:
-            self._planner.record(adapter_id)
+        self._popularity.record(adapter_id)
         self._recent.record(replica_id.unique_id, adapter_id, self._get_curr_time_s())
         key = _prefix_key(pending_request) if pending_request is not None else ""
         if not key or adapter_id:

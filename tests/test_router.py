@@ -131,6 +131,20 @@ def test_a_burst_of_new_adapters_is_dealt_one_per_replica():
     assert [first_choice(router, reps, f"new-{k}") for k in range(len(IDS))] == picks
 
 
+def test_a_burst_for_one_new_adapter_opens_one_home():
+    """Ray routes a burst concurrently and reports each route (on_request_routed) only
+    after the replica accepted it: the first request's new home counts as reading the
+    adapter from the moment it is chosen, so the rest of the burst follows it there."""
+    router = make_router(use_registry=False)
+    reps = [FakeReplica(i) for i in IDS]
+    first = first_choice(router, reps, "new")
+    set_load(router, reps[IDS.index(first)], 3)  # sent, not yet accepted nor reported
+    assert {first_choice(router, reps, "new") for _ in range(5)} == {first}
+    # Ray sent it elsewhere after all: the note expires; no other replica read it since.
+    router._get_curr_time_s.t += 10.0
+    assert first_choice(router, reps, "new") != first  # the least loaded new home again
+
+
 def test_load_from_routing_stats_when_cache_is_empty():
     router = make_router(use_registry=False)
     order = rendezvous_order("ad-2", IDS)
@@ -286,7 +300,23 @@ def test_placement_counts_routed_requests_and_grows_a_hot_adapter_onto_its_homes
 
 
 def test_no_placement_without_a_slot_count():
-    router = make_router(use_registry=False)
+    """The router counts from its first request, but without a slot count (no kwarg, no
+    routing stats) it places nothing: a hot adapter stays on its holder alone."""
+    router = make_router(use_registry=False, replan_every=4)
     reps = [FakeReplica(i) for i in IDS]
-    assert first_choice(router, reps, "ad-9") == rendezvous_order("ad-9", IDS)[0]
-    assert router.popularity is None
+    holder = rendezvous_order("ad-9", IDS)[0]
+    for _ in range(12):
+        pending: list = []
+        assert route(router, reps, "ad-9", pending)[0][0].replica_id.unique_id == holder
+        router.on_request_routed(pending[0], reps[IDS.index(holder)].replica_id, None)
+    assert router.popularity.count("ad-9") == 12
+    reps[IDS.index(holder)].routing_stats["adapters_in_cpu"] = ["ad-9"]  # reported now
+    set_load(router, reps[IDS.index(holder)], 20)  # over the bound: placed, it would grow
+    tiers = route(router, reps, "ad-9")
+    assert [r.replica_id.unique_id for r in tiers[0]] == [holder]
+    # learnt from the routing stats: placed now (k = ceil(1 x 6 x 1.5) = 6), the next home
+    # under the bound comes first
+    for r in reps:
+        r.routing_stats["max_loras"] = 4
+    tiers = route(router, reps, "ad-9")
+    assert tiers[0][0].replica_id.unique_id != holder

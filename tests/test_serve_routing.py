@@ -178,9 +178,11 @@ def test_hot_adapter_spills_to_second_replica(served):
     handle = served["handle"].options(multiplexed_model_id=HOT)
     before = replica_stats(APP, want=2)
     assert holders(before, HOT) == []
-    # Once placed (replan_every 8: within the first burst) with 2 homes, it grows onto the
-    # second when its holder has 2 requests in flight (min_load_bound 2). The tiny model is
-    # fast: a burst may finish requests before the later ones are routed, so allow a few.
+    # Placed with 2 homes at the first replan after its requests are counted (replan_every
+    # 8; the slot count comes from the replicas' routing stats, max_loras 2), it grows onto
+    # the second when its holder has 2 requests in flight (min_load_bound 2). A burst is
+    # routed concurrently and the tiny model is fast: a burst may finish requests before
+    # the router sees them in flight, so allow a few.
     after = before
     for _ in range(5):
         burst(handle, 12, 300)
