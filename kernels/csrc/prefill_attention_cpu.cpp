@@ -15,10 +15,11 @@
 // G = H / Hkv query heads of that KV head: R rows, at most kRows. Everything in an item runs
 // along those rows, 16 to a vector, so nothing is transposed per key and the softmax needs
 // no horizontal sums:
-//   Qt  [D, R]   the queries, scaled, transposed once per item
+//   Qt  [D, R]   the queries, scaled by scale x log2(e) (the softmax in base 2: vexp2),
+//                transposed once per item
 //   St  [Bk, R]  scores of a block of Bk keys: St[j] = sum_d K[j, d] * Qt[d] (K's elements
 //                broadcast straight from the cache rows)
-//   Ot  [D, R]   the output, rescaled by e^(m_old - m_new) per row as the maximum moves,
+//   Ot  [D, R]   the output, rescaled by 2^(m_old - m_new) per row as the maximum moves,
 //                Ot[d] += sum_j V[j, d] * Pt[j] (V's elements broadcast likewise)
 // and the rows' maxima m and sums l as vectors. Keys past a row's position are masked
 // (score -inf, weight 0). A row's output depends only on its own query and context: the
@@ -45,7 +46,7 @@ using namespace simd;
 
 constexpr int kMaxRowVecs = 6;              // rows of an item: at most 6 x 16 = 96
 constexpr int kRows = 16 * kMaxRowVecs;
-constexpr int kBk = 32;                     // keys per block
+constexpr int kBk = 64;                     // keys per block (32 and 128: slower)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Geometry {
@@ -64,6 +65,38 @@ inline v16 bcast(float x) {
   return (v16)_mm512_set1_ps(x);
 #else
   return splat(x);
+#endif
+}
+
+// 2^x (x <= 0; -inf and anything below -150 give 0): the scores are in base 2 (the queries
+// carry log2(e)), so no range reduction by ln 2: round, a degree-6 polynomial of the
+// remainder in [-0.5, 0.5] (Cephes' exp2f, within 2 ulp), and vscalefps for the 2^n, which
+// also takes the huge negative n to 0. 10 operations against the 18 of vexp and its mask.
+inline v16 vexp2(v16 x) {
+#if defined(__AVX512F__)
+  x = x > splat(-200.f) ? x : splat(-200.f);  // -inf: roundscale would give r = NaN
+  __m512 xm;
+  std::memcpy(&xm, &x, sizeof xm);
+  const __m512 fn = _mm512_roundscale_ps(xm, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  v16 n;
+  std::memcpy(&n, &fn, sizeof n);
+  const v16 r = x - n;
+  v16 p = splat(1.535336188319500e-4f);
+  p = p * r + splat(1.339887440266574e-3f);
+  p = p * r + splat(9.618437357674640e-3f);
+  p = p * r + splat(5.550332471162809e-2f);
+  p = p * r + splat(2.402264791363012e-1f);
+  p = p * r + splat(6.931472028550421e-1f);
+  p = p * r + splat(1.f);
+  __m512 pm;
+  std::memcpy(&pm, &p, sizeof pm);
+  const __m512 y = _mm512_scalef_ps(pm, fn);
+  v16 out;
+  std::memcpy(&out, &y, sizeof out);
+  return out;
+#else
+  const v16 e = vexp(x * splat(0.693147180559945309f));
+  return x == splat(kNegInf) ? v16{} : e;
 #endif
 }
 
@@ -145,6 +178,7 @@ void run_item(const Geometry& g, const Item& it, const int64_t* chunks, const in
   const int64_t row0 = chunks[it.chunk * 3], start = chunks[it.chunk * 3 + 2];
   const int32_t* table = tables + it.chunk * g.M;
   const int64_t R = it.nq * G;
+  const float scale2 = g.scale * 1.44269504088896341f;  // scores in base 2: see vexp2
   // Qt[d, r] = q[row0 + q0 + i, h G + g, d] * scale for r = i G + g; padding rows 0
   for (int64_t d = 0; d < D; ++d)
     for (int64_t r = R; r < RV * 16; ++r) w.qt[d * kRows + r] = 0.f;
@@ -152,7 +186,7 @@ void run_item(const Geometry& g, const Item& it, const int64_t* chunks, const in
     for (int64_t gg = 0; gg < G; ++gg) {
       const float* src = q + ((row0 + it.q0 + i) * H + it.head * G + gg) * D;
       const int64_t r = i * G + gg;
-      for (int64_t d = 0; d < D; ++d) w.qt[d * kRows + r] = src[d] * g.scale;
+      for (int64_t d = 0; d < D; ++d) w.qt[d * kRows + r] = src[d] * scale2;
     }
   for (int64_t d = 0; d < D; ++d)
     for (int v = 0; v < RV; ++v) store(w.ot + d * kRows + v * 16, v16{});
@@ -183,31 +217,37 @@ void run_item(const Geometry& g, const Item& it, const int64_t* chunks, const in
       }
     }
     scores_all<RV>(kp, w.qt, D, w.st);
-    // keys past a row's position: -inf (only where the block reaches past the first row's)
-    const bool masked = t0 + kBk - 1 > first_pos;
+    // keys past a row's position: -inf, only where the block reaches past the first row's
+    // (a block short of kBk keys is the last, so masked too: its zero keys are past)
     v16 bmax[RV];
     for (int v = 0; v < RV; ++v) bmax[v] = splat(kNegInf);
-    for (int j = 0; j < kBk; ++j) {
-      const v16 tj = splat(static_cast<float>(t0 + j));
-      for (int v = 0; v < RV; ++v) {
-        v16 s = load(w.st + j * kRows + v * 16);
-        if (masked) s = tj > pos[v] ? splat(kNegInf) : s;
-        store(w.st + j * kRows + v * 16, s);
-        bmax[v] = s > bmax[v] ? s : bmax[v];
+    if (t0 + kBk - 1 > first_pos) {
+      for (int j = 0; j < kBk; ++j) {
+        const v16 tj = splat(static_cast<float>(t0 + j));
+        for (int v = 0; v < RV; ++v) {
+          v16 s = load(w.st + j * kRows + v * 16);
+          s = tj > pos[v] ? splat(kNegInf) : s;
+          store(w.st + j * kRows + v * 16, s);
+          bmax[v] = s > bmax[v] ? s : bmax[v];
+        }
       }
+    } else {
+      for (int j = 0; j < kBk; ++j)
+        for (int v = 0; v < RV; ++v) {
+          const v16 s = load(w.st + j * kRows + v * 16);
+          bmax[v] = s > bmax[v] ? s : bmax[v];
+        }
     }
     v16 alpha[RV];
     for (int v = 0; v < RV; ++v) {
       const v16 mn = bmax[v] > m[v] ? bmax[v] : m[v];
-      // m is -inf before the first block only; vexp clamps there and Ot, l are 0 anyway
-      alpha[v] = vexp(m[v] - mn);
+      alpha[v] = vexp2(m[v] - mn);  // m is -inf before the first block only: alpha 0
       m[v] = mn;
       l[v] *= alpha[v];
     }
     for (int j = 0; j < nk; ++j) {
       for (int v = 0; v < RV; ++v) {
-        const v16 s = load(w.st + j * kRows + v * 16);
-        const v16 p = s == splat(kNegInf) ? v16{} : vexp(s - m[v]);
+        const v16 p = vexp2(load(w.st + j * kRows + v * 16) - m[v]);  // masked: 0
         store(w.st + j * kRows + v * 16, p);
         l[v] += p;
       }
