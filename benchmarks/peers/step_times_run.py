@@ -12,7 +12,8 @@ SamplingParams)`, `step()`, `abort_request`), so both are timed by one loop:
           decode steps (each must add one token to every request); the figure is the median
           step. The requests are aborted after.
   prefill the case's prompts with max_tokens 1: the time from the first add_request to the
-          last request's token (TTFT of the whole batch; of one 2k prompt for "ttft_2k").
+          last request's token (TTFT of the whole batch; of one 2k prompt for "ttft_2k");
+          a case with more_prompts times each of those sets alone too: the median.
 
 vLLM runs with its defaults (torch.compile on the CPU, prefix caching on, its CPU settings
 from the environment: benchmarks/peers/vllm_peer.py) except generation_config="vllm" (the
@@ -87,7 +88,16 @@ def run_case(engine, name: str, case: dict, tag: str, around=contextlib.nullcont
         with around():
             while engine.has_unfinished_requests():
                 step()
-        return {"seconds": time.perf_counter() - t0}
+        seconds = [time.perf_counter() - t0]
+        for k, more in enumerate(case.get("more_prompts", ())):  # each timed alone
+            t0 = time.perf_counter()
+            for i, p in enumerate(more):
+                engine.add_request(f"{tag}-m{k}-{i}", {"prompt_token_ids": p}, params)
+            with around():
+                while engine.has_unfinished_requests():
+                    engine.step()
+            seconds.append(time.perf_counter() - t0)
+        return {"seconds": statistics.median(seconds), "seconds_all": seconds}
     while min(counts.values()) < 2:
         step()
     with around():
@@ -120,7 +130,8 @@ def warmup_case(case: dict) -> dict:
     prompts = [[t + shift for t in p] for p in case["prompts"]]
     if case["kind"] == "decode":
         prompts = [p[:16] for p in prompts]
-    return {**case, "prompts": prompts, "steps": min(3, case.get("steps", 0))}
+    # more_prompts: not warmed (the prefix cache would serve them when timed)
+    return {**case, "prompts": prompts, "more_prompts": [], "steps": min(3, case.get("steps", 0))}
 
 
 def main(argv: list[str] | None = None) -> None:
