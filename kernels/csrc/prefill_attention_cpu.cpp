@@ -100,13 +100,14 @@ inline v16 vexp2(v16 x) {
 #endif
 }
 
-// St[j, :] = sum_d K[j, d] * Qt[d, :] for the kBk keys of kp (rows of D floats, h's part):
+// St[j, :] = sum_d K[j, d] * Qt[d, :] for the first nk8 (a multiple of 8) keys of kp (rows of
+// D floats, h's part):
 // 8 keys against RV <= 3 row vectors at a time, so each d loads RV vectors for 8 x RV FMAs
 // (AVX-512 loads, one a cycle on Zen 4, would otherwise bound it as much as the FMAs).
 template <int RV>
-void scores(const float* const* kp, const float* Qt, int64_t D, float* St) {
+void scores(const float* const* kp, const float* Qt, int64_t D, int nk8, float* St) {
   constexpr int KT = 8;
-  for (int j0 = 0; j0 < kBk; j0 += KT) {
+  for (int j0 = 0; j0 < nk8; j0 += KT) {
     v16 acc[KT][RV] = {};
     for (int64_t d = 0; d < D; ++d) {
       v16 qv[RV];
@@ -146,12 +147,12 @@ void values(const float* const* vp, int nk, const float* Pt, const v16* alpha, i
 
 // The two products over RV row vectors, in groups of at most 3 (the register tiles above).
 template <int RV>
-void scores_all(const float* const* kp, const float* Qt, int64_t D, float* St) {
+void scores_all(const float* const* kp, const float* Qt, int64_t D, int nk8, float* St) {
   if constexpr (RV > 3) {
-    scores<3>(kp, Qt, D, St);
-    scores<RV - 3>(kp, Qt + 48, D, St + 48);
+    scores<3>(kp, Qt, D, nk8, St);
+    scores<RV - 3>(kp, Qt + 48, D, nk8, St + 48);
   } else {
-    scores<RV>(kp, Qt, D, St);
+    scores<RV>(kp, Qt, D, nk8, St);
   }
 }
 
@@ -216,13 +217,15 @@ void run_item(const Geometry& g, const Item& it, const int64_t* chunks, const in
         kp[j] = vp[j] = w.zero;
       }
     }
-    scores_all<RV>(kp, w.qt, D, w.st);
+    // the last block: its keys rounded up to the 8 of a score tile (the zero keys past the
+    // context are masked below), not all kBk: a short prompt's items are mostly last blocks
+    const int nk8 = (nk + 7) & ~7;
+    scores_all<RV>(kp, w.qt, D, nk8, w.st);
     // keys past a row's position: -inf, only where the block reaches past the first row's
-    // (a block short of kBk keys is the last, so masked too: its zero keys are past)
     v16 bmax[RV];
     for (int v = 0; v < RV; ++v) bmax[v] = splat(kNegInf);
-    if (t0 + kBk - 1 > first_pos) {
-      for (int j = 0; j < kBk; ++j) {
+    if (t0 + nk8 - 1 > first_pos) {
+      for (int j = 0; j < nk8; ++j) {
         const v16 tj = splat(static_cast<float>(t0 + j));
         for (int v = 0; v < RV; ++v) {
           v16 s = load(w.st + j * kRows + v * 16);
@@ -232,7 +235,7 @@ void run_item(const Geometry& g, const Item& it, const int64_t* chunks, const in
         }
       }
     } else {
-      for (int j = 0; j < kBk; ++j)
+      for (int j = 0; j < nk8; ++j)
         for (int v = 0; v < RV; ++v) {
           const v16 s = load(w.st + j * kRows + v * 16);
           bmax[v] = s > bmax[v] ? s : bmax[v];
