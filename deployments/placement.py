@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from deployments.routing_policy import rendezvous_order
 
 DEFAULT_HALF_LIFE = 20_000  # requests: counts halve over this many routed requests
-DEFAULT_REPLAN_EVERY = 1_000  # requests between two placements
+DEFAULT_REPLAN_EVERY = 1_000  # requests between two placements, once counts are settled
+DEFAULT_FIRST_REPLAN = 32  # the first placements: at 32, 64, 128, ... requests
+DEFAULT_MIN_PLACED_COUNT = 16.0  # requests an adapter needs counted before it is placed
 DEFAULT_REPLICATION_HEADROOM = 1.5  # k = ceil(share * n * headroom)
 DEFAULT_MIN_REPLICAS = 2  # an adapter is placed when its k is at least this
 DEFAULT_MIN_PLACED_SHARE = 0.0005  # below 1 request in 2,000 an adapter is not worth a slot
@@ -83,6 +85,9 @@ class PlacementConfig:
     min_share: float = DEFAULT_MIN_PLACED_SHARE
     min_replicas: int = DEFAULT_MIN_REPLICAS
     balance_slack: float = DEFAULT_BALANCE_SLACK  # a new home's placed traffic / the mean
+    # an early share is noise: 3 requests out of 32 would give k = 3 of 16 replicas; 16
+    # counted requests put a share's relative error near 1/4 (Poisson)
+    min_count: float = DEFAULT_MIN_PLACED_COUNT
 
     def placed_per_replica(self) -> int:
         reserve = max(1, self.max_loras // 4) if self.reserve_slots is None else self.reserve_slots
@@ -94,12 +99,14 @@ def plan_placement(
     replica_ids: Sequence[str],
     cfg: PlacementConfig,
     holders: Mapping[str, Sequence[str]] | None = None,
+    counts: Mapping[str, float] | None = None,
 ) -> dict[str, tuple[str, ...]]:
     """Place the hot adapters (see the module docstring); returns adapter -> its home, the
     replicas holding it first, each group in the adapter's rendezvous order. Deterministic in
     (shares, replica set, holders): routers that see the same agree.
 
-    holders: adapter -> replicas holding it now (slot or CPU cache)."""
+    holders: adapter -> replicas holding it now (slot or CPU cache); counts: adapter -> its
+    requests counted (None: no minimum, cfg.min_count does not apply)."""
     n = len(replica_ids)
     per_replica = cfg.placed_per_replica()
     if n == 0 or per_replica == 0:
@@ -111,6 +118,8 @@ def plan_placement(
         k = replication_factor(share, n, cfg.headroom)
         if k < cfg.min_replicas or k > budget or share < cfg.min_share:
             break
+        if counts is not None and counts.get(adapter, 0.0) < cfg.min_count:
+            break  # ranked by share: every later one has fewer
         chosen.append((adapter, share, k))
         budget -= k
     placed = {a for a, _, _ in chosen}
@@ -137,6 +146,11 @@ def plan_placement(
         if len(picks) < k:  # the cap binds: the least loaded with a slot left
             rest = sorted((r for r in new if r not in picks), key=lambda r: load[r])
             picks += rest[: k - len(picks)]
+        if len(picks) < cfg.min_replicas:
+            # the budget counts slots, but the ones left may be on too few replicas (two
+            # free on one): no placement for it, nor for anyone less popular
+            break
+        each = share / len(picks)  # fewer than k where the slots left are on fewer replicas
         for rid in picks:
             num_placed[rid] += 1
             load[rid] += each
@@ -158,12 +172,14 @@ class PlacementPlanner:
         half_life: int = DEFAULT_HALF_LIFE,
         replan_every: int = DEFAULT_REPLAN_EVERY,
         popularity: AdapterPopularity | None = None,
+        first_replan: int = DEFAULT_FIRST_REPLAN,
     ) -> None:
         """popularity: counts kept so far (a router counts from its first request, before
         it knows the slot count); else a new AdapterPopularity(half_life)."""
         self.cfg = cfg
         self.popularity = popularity if popularity is not None else AdapterPopularity(half_life)
         self.replan_every = replan_every
+        self.first_replan = first_replan
         self._placement: dict[str, tuple[str, ...]] = {}
         self._replica_ids: tuple[str, ...] = ()
         self._planned_at = -1
@@ -176,12 +192,16 @@ class PlacementPlanner:
         replica_ids: Sequence[str],
         holders: Callable[[], Mapping[str, Sequence[str]]] | None = None,
     ) -> Placement:
-        """The current placement; replanned every `replan_every` requests or when the replica
-        set changes. holders() -> adapter -> replicas holding it (called only to replan)."""
+        """The current placement; replanned when the replica set changes, at first_replan,
+        2 x first_replan, 4 x ... recorded requests (a small fleet's hot adapter needs its
+        homes before a thousand requests have passed), then every `replan_every` requests.
+        holders() -> adapter -> replicas holding it (called only to replan)."""
         ids = tuple(sorted(replica_ids))
         n = self.popularity.num_recorded
-        if ids != self._replica_ids or n - self._planned_at >= self.replan_every:
+        interval = min(self.replan_every, max(self.first_replan, self._planned_at))
+        if ids != self._replica_ids or n - self._planned_at >= interval:
             held = holders() if holders is not None else {}
-            self._placement = plan_placement(self.popularity.shares(), ids, self.cfg, held)
+            pop = self.popularity
+            self._placement = plan_placement(pop.shares(), ids, self.cfg, held, pop.counts)
             self._replica_ids, self._planned_at = ids, n
         return self._placement

@@ -305,11 +305,11 @@ def test_no_placement_without_a_slot_count():
     router = make_router(use_registry=False, replan_every=4)
     reps = [FakeReplica(i) for i in IDS]
     holder = rendezvous_order("ad-9", IDS)[0]
-    for _ in range(12):
+    for _ in range(20):  # more than PlacementConfig.min_count
         pending: list = []
         assert route(router, reps, "ad-9", pending)[0][0].replica_id.unique_id == holder
         router.on_request_routed(pending[0], reps[IDS.index(holder)].replica_id, None)
-    assert router.popularity.count("ad-9") == 12
+    assert router.popularity.count("ad-9") == 20
     reps[IDS.index(holder)].routing_stats["adapters_in_cpu"] = ["ad-9"]  # reported now
     set_load(router, reps[IDS.index(holder)], 20)  # over the bound: placed, it would grow
     tiers = route(router, reps, "ad-9")
