@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import statistics
@@ -190,6 +191,7 @@ def build_llm_app(policy: str, args, model: str, adapters: dict[str, str]):
         kwargs = {"max_loras": args.max_loras}
         if args.load_bound_c is not None:
             kwargs["load_bound_c"] = args.load_bound_c
+        kwargs.update(json.loads(args.router_kwargs))
         options["request_router_config"] = RequestRouterConfig(
             request_router_class="deployments.router:AdapterAffinityRouter",
             request_router_kwargs=kwargs,
@@ -306,6 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--load-bound-c", type=float, default=None, help="affinity's c (default 1.25)")
+    p.add_argument(
+        "--router-kwargs",
+        default="{}",
+        help="affinity's other router kwargs, JSON: '{\"replan_every\": 500}'",
+    )
     p.add_argument("--policies", default=",".join(POLICIES), help=", ".join(POLICIES))
     p.add_argument("--runs", type=int, default=1, help="runs of every policy, order alternating")
     p.add_argument("--p99-tolerance", type=float, default=0.1, help="p99 'no worse' within this")

@@ -36,7 +36,8 @@ Configure through `request_router_config.request_router_kwargs`, which Ray passe
     load_bound_c (1.25), min_load_bound (4), count_slack (0.05), recent_routes_s (2.0),
     registry_refresh_s (2.0), registry_max_age_s (30.0),
     use_registry (True), seed (None), max_loras (None), use_placement (True),
-    popularity_half_life (20000), replan_every (1000).
+    popularity_half_life (20000), replan_every (1000), first_replan (32),
+    min_placed_count (16).
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ import ray
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from deployments.placement import (
+    DEFAULT_FIRST_REPLAN,
     DEFAULT_HALF_LIFE,
+    DEFAULT_MIN_PLACED_COUNT,
     DEFAULT_REPLAN_EVERY,
     AdapterPopularity,
     PlacementConfig,
@@ -117,6 +120,8 @@ class AdapterAffinityRouter(RequestRouter):
         use_placement: bool = True,
         popularity_half_life: int = DEFAULT_HALF_LIFE,
         replan_every: int = DEFAULT_REPLAN_EVERY,
+        first_replan: int = DEFAULT_FIRST_REPLAN,
+        min_placed_count: float = DEFAULT_MIN_PLACED_COUNT,
     ) -> None:
         if load_bound_c < 1.0:
             raise ValueError(f"load_bound_c must be >= 1, got {load_bound_c}")
@@ -131,6 +136,8 @@ class AdapterAffinityRouter(RequestRouter):
         self._use_placement = bool(use_placement)
         self._half_life = int(popularity_half_life)
         self._replan_every = int(replan_every)
+        self._first_replan = int(first_replan)
+        self._min_placed_count = float(min_placed_count)
         # what the placement counts: every routed request, from the first one; the planner
         # is made when the slot count is known (the kwarg, or the replicas' routing stats)
         self._popularity = AdapterPopularity(self._half_life)
@@ -204,8 +211,13 @@ class AdapterAffinityRouter(RequestRouter):
     # -- placement ----------------------------------------------------------------------
 
     def _new_planner(self, max_loras: int) -> PlacementPlanner:
-        cfg = PlacementConfig(max_loras=max_loras)
-        return PlacementPlanner(cfg, replan_every=self._replan_every, popularity=self._popularity)
+        cfg = PlacementConfig(max_loras=max_loras, min_count=self._min_placed_count)
+        return PlacementPlanner(
+            cfg,
+            replan_every=self._replan_every,
+            popularity=self._popularity,
+            first_replan=self._first_replan,
+        )
 
     def _home(
         self, adapter_id: str, candidates: list[RunningReplica], views: list[ReplicaView]
