@@ -24,8 +24,9 @@ down in this process (a driver's router loop outlives `ray.shutdown()`) or when 
 routed for `registry_max_age_s`; the next request starts it again.
 
 Placement (deployments/placement.py): the router counts the requests it routes
-(`on_request_routed`, once per request; base requests count in the total), and every
-`replan_every` requests gives each hot adapter (k >= 2) k homes, k from its share of that
+(`on_request_routed`, once per request; base requests count in the total), and at
+`first_replan`, twice that, ... requests, then every `replan_every`, gives each hot adapter
+(k >= 2, at least `min_placed_count` requests counted) k homes, k from its share of that
 traffic, its current holders first, within the slots the replicas have (`max_loras`: the
 kwarg, else what the replicas report as `routing_stats["max_loras"]`; with neither, no
 placement: every adapter stays on its holders). A placed adapter grows onto its next home
