@@ -34,9 +34,18 @@ HOT = "r3"  # not used by the affinity test, so both replicas start without it
 ENGINE = {"max_loras": 2, "max_cpu_loras": 8, "max_num_seqs": 8, "num_kv_blocks": 128}
 # min_load_bound=2: a replica with 2 requests of an adapter in flight is full once the
 # total load is low (bound = max(2, ceil(1.25 * (total + 1) / 2))); replan_every=8: the
-# placement sees a burst's adapter as hot (k = ceil(share x 2 x 1.5) = 2 homes) within the
-# burst; a seed makes the base-model power of two choices repeatable.
-ROUTER_KWARGS = {"min_load_bound": 2, "seed": 0, "registry_refresh_s": 1.0, "replan_every": 8}
+# placement sees a burst's adapter as hot (k = ceil(share x 2 x 1.5) = 2 homes) once 16 of
+# its requests are counted; a seed makes the base-model power of two choices repeatable.
+# max_loras: what build_app passes (the routing-stats path, for a router without it, is
+# tests/test_router.py's): the placement exists from the first request, not from whenever
+# the controller first pushes the replicas' routing stats (seconds late on a busy machine).
+ROUTER_KWARGS = {
+    "min_load_bound": 2,
+    "seed": 0,
+    "registry_refresh_s": 1.0,
+    "replan_every": 8,
+    "max_loras": ENGINE["max_loras"],
+}
 STALE_AFTER_S = 5.0  # the registry forgets a replica that stopped reporting after this
 WAIT_S = 30.0
 
@@ -178,8 +187,8 @@ def test_hot_adapter_spills_to_second_replica(served):
     handle = served["handle"].options(multiplexed_model_id=HOT)
     before = replica_stats(APP, want=2)
     assert holders(before, HOT) == []
-    # Placed with 2 homes at the first replan after its requests are counted (replan_every
-    # 8; the slot count comes from the replicas' routing stats, max_loras 2), it grows onto
+    # Placed with 2 homes at the first replan after 16 of its requests are counted
+    # (replan_every 8, min_placed_count 16: within the second burst), it grows onto
     # the second when its holder has 2 requests in flight (min_load_bound 2). A burst is
     # routed concurrently and the tiny model is fast: a burst may finish requests before
     # the router sees them in flight, so allow a few.
