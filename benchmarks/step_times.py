@@ -106,8 +106,9 @@ def main(argv: list[str] | None = None) -> dict:
     path = resolve_model(args.model)
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     low, high = vocab_range(AutoTokenizer.from_pretrained(str(path)), vocab)
-    # high - 1: the warm-up shift
-    cases = build_cases(args.cases, low, high - 1, args.steps, args.seed, args.ttft_repeats)
+    # high - 1: the warm-up shift; the profile reports one prompt (no median to take)
+    repeats = 1 if args.profile else args.ttft_repeats
+    cases = build_cases(args.cases, low, high - 1, args.steps, args.seed, repeats)
     longest = max(len(pr) for c in cases for pr in c["prompts"])
     spec = dict(
         model=str(path),

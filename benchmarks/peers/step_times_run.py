@@ -68,14 +68,30 @@ def sampling(name: str, max_tokens: int):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
+def time_prefill(engine, tag: str, prompts: list, params, around) -> float:
+    """Seconds from the first add_request to the last request's (only) token."""
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": p}, params)
+    with around():
+        while engine.has_unfinished_requests():
+            engine.step()
+    return time.perf_counter() - t0
+
+
 def run_case(engine, name: str, case: dict, tag: str, around=contextlib.nullcontext) -> dict:
     """One case (module docstring); `around()` is entered around what is timed."""
     prompts = case["prompts"]
     steps = case.get("steps", 0)
     params = sampling(name, 1 if case["kind"] == "prefill" else steps + 4)
+    if case["kind"] == "prefill":  # each prompt set timed alone
+        sets = [prompts, *case.get("more_prompts", ())]
+        seconds = [
+            time_prefill(engine, f"{tag}-{k}", p, params, around) for k, p in enumerate(sets)
+        ]
+        return {"seconds": statistics.median(seconds), "seconds_all": seconds}
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     counts = dict.fromkeys(ids, 0)
-    t0 = time.perf_counter()
     for rid, p in zip(ids, prompts, strict=True):
         engine.add_request(rid, {"prompt_token_ids": p}, params)
 
@@ -84,20 +100,6 @@ def run_case(engine, name: str, case: dict, tag: str, around=contextlib.nullcont
             if out.request_id in counts:
                 counts[out.request_id] = len(out.outputs[0].token_ids)
 
-    if case["kind"] == "prefill":
-        with around():
-            while engine.has_unfinished_requests():
-                step()
-        seconds = [time.perf_counter() - t0]
-        for k, more in enumerate(case.get("more_prompts", ())):  # each timed alone
-            t0 = time.perf_counter()
-            for i, p in enumerate(more):
-                engine.add_request(f"{tag}-m{k}-{i}", {"prompt_token_ids": p}, params)
-            with around():
-                while engine.has_unfinished_requests():
-                    engine.step()
-            seconds.append(time.perf_counter() - t0)
-        return {"seconds": statistics.median(seconds), "seconds_all": seconds}
     while min(counts.values()) < 2:
         step()
     with around():
