@@ -28,7 +28,7 @@ from tqdm import tqdm  # noqa: E402
 from engine.attention import AttentionMetadata  # noqa: E402
 from engine.model_runner import order_by_slot  # noqa: E402
 from engine.models.llama import ForwardContext  # noqa: E402
-from kernels import LoRABatchMeta  # noqa: E402
+from raylora_kernels import LoRABatchMeta  # noqa: E402
 
 ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

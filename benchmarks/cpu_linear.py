@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     from engine.models.llama import PACKED_MODULES, ModelArgs
     from engine.models.loader import load_model_config, resolve_model
-    from kernels.cpu_kernel import cpu_linear_op, cpu_linear_packed_op
-    from kernels.packed_weight import PackedWeight
+    from raylora_kernels.cpu_kernel import cpu_linear_op, cpu_linear_packed_op
+    from raylora_kernels.packed_weight import PackedWeight
 
     split, packed = cpu_linear_op(), cpu_linear_packed_op()
     if split is None or packed is None:

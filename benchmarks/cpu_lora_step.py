@@ -9,7 +9,7 @@ Random slot weights for every packed linear of the model (num_layers x qkv/o/gat
 as many active adapters as slots, tokens grouped by slot as the model runner orders them.
 Three ways over the same weights, interleaved --repeats times in one process (medians):
   sum       `w.a.sum(); w.b_t.sum()`: reads the same bytes, no math (the bandwidth bound)
-  kernel    the C++ CPU kernel (`raylora_cpu::lora_add`, kernels/cpu_kernel.py)
+  kernel    the C++ CPU kernel (`raylora_cpu::lora_add`, raylora_kernels/cpu_kernel.py)
   bf16      the same kernel on bfloat16 copies of the weights (lora_dtype="bfloat16": half
             the bytes; its GB/s counts the fp32 bytes, i.e. it is the fp32-equivalent rate)
   torch     `lora_linear` on torch ops (RAYLORA_CPU_KERNEL=0)
@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     from engine.models.llama import PACKED_MODULES, ModelArgs
     from engine.models.loader import load_model_config, resolve_model
-    from kernels import LoRABatchMeta, SlotWeights, lora_linear
-    from kernels.cpu_kernel import cpu_lora_op
+    from raylora_kernels import LoRABatchMeta, SlotWeights, lora_linear
+    from raylora_kernels.cpu_kernel import cpu_lora_op
 
     op = cpu_lora_op()
     if op is None:

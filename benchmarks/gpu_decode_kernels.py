@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.cuda_graphs import CudaGraph, EagerGraph, Graph
-from kernels import lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref
-from kernels.metadata import StaticLoRAMeta
-from kernels.paged_attention import (
+from raylora_kernels import lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref
+from raylora_kernels.metadata import StaticLoRAMeta
+from raylora_kernels.paged_attention import (
     choose_num_splits,
     paged_decode_attention,
     paged_decode_attention_ref,

@@ -26,7 +26,7 @@ from engine.model_runner import order_by_slot
 from engine.models.llama import ModelArgs
 from engine.models.loader import build_model, load_model_config
 from engine.static_decode import StaticDecode
-from kernels.paged_attention import paged_decode_attention_op
+from raylora_kernels.paged_attention import paged_decode_attention_op
 
 if TYPE_CHECKING:
     from benchmarks.gpu_decode_check import Context

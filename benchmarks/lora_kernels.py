@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from kernels import (  # noqa: E402
+from raylora_kernels import (  # noqa: E402
     LoRABatchMeta,
     SlotWeights,
     lora_expand,
@@ -40,7 +40,7 @@ from kernels import (  # noqa: E402
     lora_shrink,
     lora_shrink_ref,
 )
-from kernels.torch_ops import (  # noqa: E402
+from raylora_kernels.torch_ops import (  # noqa: E402
     expand_strategy,
     lora_expand_torch,
     lora_shrink_torch,
@@ -250,7 +250,7 @@ def run_timings(args, device, dtype) -> None:
                         line += f"  ranks {t_r * 1e6:.1f}us (padded / ranks {t_tri / t_r:.2f}x)"
                 log(line)
             # The engine's CPU path: shrink + expand fused, tokens ordered by slot as the model
-            # runner orders them (kernels/lora_linear.py), against the two ops above.
+            # runner orders them (raylora_kernels/lora_linear.py), against the two ops above.
             w = SlotWeights.zeros(num_adapters, rank, hidden_in, widths, device, dtype)
             for dst, src in zip(w.lora_a + w.lora_b, lora_a + lora_b, strict=True):
                 dst.copy_(src)

@@ -160,7 +160,7 @@ def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
 
     from engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams
     from engine.models.loader import resolve_model
-    from kernels.cpu_kernel import cpu_lora_op
+    from raylora_kernels.cpu_kernel import cpu_lora_op
 
     n = args.num_adapters
     path = resolve_model(args.model)

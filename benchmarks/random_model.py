@@ -15,8 +15,8 @@ import shutil
 import sys
 from pathlib import Path
 
-# The repository root first on the path, not benchmarks/: transformers probes for a package
-# named `kernels`, and it must find the project's (a benchmarks/kernels.py once shadowed it).
+# The repository root first on the path, not benchmarks/: the project's packages must be found
+# before any script of benchmarks/ of the same name.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")

@@ -11,9 +11,9 @@ matrix-vector product per head. Prefill chunks run one SDPA call each (a chunk a
 its cached prefix plus itself, causally).
 
 A float32 CPU model with the C++ kernels reads the KV in place instead, one call per layer
-for every decode token (`raylora_cpu::paged_decode_attention`, kernels/csrc/attention_cpu.cpp:
+for every decode token (`raylora_cpu::paged_decode_attention`, raylora_kernels/csrc/attention_cpu.cpp:
 no gather, no padding, no mask) and one for every prefill chunk
-(`raylora_cpu::paged_prefill_attention`, kernels/csrc/prefill_attention_cpu.cpp: causal
+(`raylora_cpu::paged_prefill_attention`, raylora_kernels/csrc/prefill_attention_cpu.cpp: causal
 flash attention over the chunk's cached prefix and itself): `AttentionMetadata.build(...,
 decode_kernel=op, prefill_kernel=op)` then fills `decode_batch` and `prefill_batch` instead of
 the buckets and the per-chunk SDPA calls.

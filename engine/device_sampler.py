@@ -321,7 +321,7 @@ def make_sampler(
     argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Sampler | DeviceSampler:
     """The sampler for logits on `device`: DeviceSampler on CUDA, Sampler (CPU logits) else,
-    with `argmax` for its greedy rows (kernels.cpu_kernel.cpu_argmax_op, or torch's)."""
+    with `argmax` for its greedy rows (raylora_kernels.cpu_kernel.cpu_argmax_op, or torch's)."""
     if torch.device(device).type == "cuda":
         return DeviceSampler(device, seed)
     return Sampler(seed, argmax)

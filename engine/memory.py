@@ -35,7 +35,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.models.llama import ForwardContext, LlamaForCausalLM
-from kernels import LoRABackend, LoRABatchMeta
+from raylora_kernels import LoRABackend, LoRABatchMeta
 
 GiB = 2**30
 MemGetInfo = Callable[[], tuple[int, int]]  # () -> (free bytes, total bytes)

@@ -28,8 +28,8 @@ from engine.sampler import SampleResult
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from engine.static_decode import StaticDecode
-from kernels import LoRABatchMeta, lora_backend_name, make_lora_backend
-from kernels.cpu_kernel import (
+from raylora_kernels import LoRABatchMeta, lora_backend_name, make_lora_backend
+from raylora_kernels.cpu_kernel import (
     cpu_argmax_op,
     cpu_decode_attention_op,
     cpu_elementwise_ops,
@@ -38,7 +38,7 @@ from kernels.cpu_kernel import (
     cpu_prefill_attention_op,
     packed_gemm_fast,
 )
-from kernels.paged_attention import paged_decode_attention_op
+from raylora_kernels.paged_attention import paged_decode_attention_op
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -98,7 +98,7 @@ class ModelRunner:
         backend = lora_backend_name(config.lora_backend, self.device)
         self.lora_dtype = pick_lora_dtype(config, self.dtype, backend)  # checked before loading
         # the LoRA backend, chosen once: each step's ForwardContext prepares it with that step's
-        # batch, and every LoRA linear calls it (kernels/backends)
+        # batch, and every LoRA linear calls it (raylora_kernels/backends)
         self.lora_backend = make_lora_backend(self.device, self.dtype, backend)
         self.args = ModelArgs.from_hf_config(load_model_config(model_path))
         # CUDA without num_kv_blocks: the KV cache gets what the model, the LoRA slots and a

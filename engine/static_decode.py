@@ -23,8 +23,8 @@ from engine.decode_inputs import DecodeInputs, DecodeStep, capture_sizes
 from engine.models.llama import ForwardContext
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
-from kernels import LoRABatchMeta
-from kernels.metadata import StaticLoRAMeta
+from raylora_kernels import LoRABatchMeta
+from raylora_kernels.metadata import StaticLoRAMeta
 
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_kernel
+from raylora_kernels import cpu_kernel
 
 # The three shapes the multi-LoRA acceptance asks for.
 ADAPTER_SPECS = {
@@ -77,7 +77,7 @@ def cpu_kernel_mode(monkeypatch, mode: str) -> list | None:
     monkeypatch.delenv("RAYLORA_CPU_KERNEL", raising=False)
     calls = []
     # the torch LoRA backend looks its C++ ops up through these names when it is built
-    module = importlib.import_module("kernels.backends.cpu")
+    module = importlib.import_module("raylora_kernels.backends.cpu")
     for getter in ("cpu_lora_op", "cpu_linear_lora_op", "cpu_linear_lora_packed_op"):
         op = getattr(cpu_kernel, getter)()
         assert op is not None, "the C++ CPU kernel did not build (see the logged warning)"

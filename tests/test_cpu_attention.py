@@ -1,10 +1,10 @@
-"""The C++ CPU decode attention (kernels/csrc/attention_cpu.cpp) against a float64 softmax
+"""The C++ CPU decode attention (raylora_kernels/csrc/attention_cpu.cpp) against a float64 softmax
 attention over the same paged cache, and the engine with it against HF."""
 
 import pytest
 import torch
 
-from kernels.cpu_kernel import cpu_decode_attention_op
+from raylora_kernels.cpu_kernel import cpu_decode_attention_op
 from tests.test_engine_parity import check_against_hf
 
 BS = 16
@@ -139,7 +139,7 @@ def test_elementwise_ops_match_torch():
     import torch.nn.functional as F
 
     from engine.models.llama import apply_rope
-    from kernels.cpu_kernel import cpu_elementwise_ops
+    from raylora_kernels.cpu_kernel import cpu_elementwise_ops
 
     ops = cpu_elementwise_ops()
     if ops is None:

@@ -1,4 +1,4 @@
-"""The CPU sampler's greedy pick (kernels/csrc/sample_cpu.cpp) against torch.argmax."""
+"""The CPU sampler's greedy pick (raylora_kernels/csrc/sample_cpu.cpp) against torch.argmax."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ def test_argmax_rows_matches_torch():
     """csrc/sample_cpu.cpp's greedy pick against torch.argmax: ties (the first wins, within a
     lane and across lanes), NaN (torch counts it as the largest: its first one), infinities,
     all -inf rows, widths that are not a multiple of 16, strided rows."""
-    from kernels.cpu_kernel import cpu_argmax_op
+    from raylora_kernels.cpu_kernel import cpu_argmax_op
 
     op = cpu_argmax_op()
     if op is None:

@@ -1,8 +1,8 @@
-"""kernels/: lora_shrink / lora_expand (Triton under TRITON_INTERPRET=1, and torch) vs fp32 refs.
+"""raylora_kernels/: lora_shrink / lora_expand (Triton under TRITON_INTERPRET=1, and torch) vs fp32 refs.
 
-The Triton kernels run on CPU through the interpreter. `kernels.utils.LazyJit`
+The Triton kernels run on CPU through the interpreter. `raylora_kernels.utils.LazyJit`
 decorates them at launch time, so setting TRITON_INTERPRET with monkeypatch works
-even when another test module imported triton/kernels first (checked in a fresh
+even when another test module imported triton/raylora_kernels first (checked in a fresh
 subprocess by `test_interpret_env_set_after_import`).
 
 The parametrization is a covering subset: every (rank, popularity pattern) pair,
@@ -22,14 +22,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import LoRABatchMeta, lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref
-from kernels.lora_expand import lora_expand_triton
-from kernels.lora_shrink import lora_shrink_triton
-from kernels.torch_ops import lora_expand_torch, lora_shrink_torch
+from raylora_kernels import (
+    LoRABatchMeta,
+    lora_expand,
+    lora_expand_ref,
+    lora_shrink,
+    lora_shrink_ref,
+)
+from raylora_kernels.lora_expand import lora_expand_triton
+from raylora_kernels.lora_shrink import lora_shrink_triton
+from raylora_kernels.torch_ops import lora_expand_torch, lora_shrink_torch
 
 # The package re-exports functions named like their modules: fetch the modules themselves.
-shrink_mod = importlib.import_module("kernels.lora_shrink")
-expand_mod = importlib.import_module("kernels.lora_expand")
+shrink_mod = importlib.import_module("raylora_kernels.lora_shrink")
+expand_mod = importlib.import_module("raylora_kernels.lora_expand")
 REPO = Path(__file__).resolve().parents[1]
 NUM_SLOTS = 8  # L
 RANKS = [1, 4, 8, 16, 64]
@@ -283,8 +289,8 @@ def _run(args: list[str], env: dict[str, str], timeout: int) -> str:
 
 
 SNIPPET = """
-import os, torch, triton  # triton imported (and kernels) before TRITON_INTERPRET is set
-from kernels import LoRABatchMeta, lora_shrink, lora_expand, lora_shrink_ref, lora_expand_ref
+import os, torch, triton  # triton imported (and raylora_kernels) before TRITON_INTERPRET is set
+from raylora_kernels import LoRABatchMeta, lora_shrink, lora_expand, lora_shrink_ref, lora_expand_ref
 os.environ["TRITON_INTERPRET"] = "1"
 slots = torch.tensor([1, -1, 0, 1])
 x, a, b = torch.randn(4, 32), [torch.randn(2, 4, 32)], [torch.randn(2, 24, 4)]

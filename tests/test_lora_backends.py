@@ -1,4 +1,4 @@
-"""kernels/backends: the torch (CPU) and Triton (interpreter) LoRA backends against an independent
+"""raylora_kernels/backends: the torch (CPU) and Triton (interpreter) LoRA backends against an independent
 reference (the base GEMM in float64, then lora_shrink_ref / lora_expand_ref per token in fp32),
 on decode- and prefill-shaped batches, with and without base rows, plain and packed weights;
 and the route chosen once: make_lora_backend once per engine, prepare once per forward context,
@@ -10,19 +10,19 @@ import zlib
 import pytest
 import torch
 
-import kernels.backends.cpu as cpu_backend
+import raylora_kernels.backends.cpu as cpu_backend
 from engine.models.llama import ForwardContext, LoRALinear
-from kernels import (
+from raylora_kernels import (
     LoRABatchMeta,
     SlotWeights,
     lora_expand_ref,
     lora_shrink_ref,
     make_lora_backend,
 )
-from kernels.backends import CppOps, CPULoRABackend, TritonLoRABackend, cpp_ops
-from kernels.packed_weight import PackedWeight
+from raylora_kernels.backends import CppOps, CPULoRABackend, TritonLoRABackend, cpp_ops
+from raylora_kernels.packed_weight import PackedWeight
 
-lora_linear_mod = importlib.import_module("kernels.lora_linear")  # `kernels.lora_linear`: the op
+lora_linear_mod = importlib.import_module("raylora_kernels.lora_linear")  # `raylora_kernels.lora_linear`: the op
 
 L, R = 4, 8  # slot 3 is never used: it holds NaN garbage
 WIDTHS = {"qkv": (64, [64, 16, 16]), "one": (48, [40])}
@@ -205,7 +205,7 @@ def test_triton_backend_takes_a_static_meta(monkeypatch):
     """The graph-safe meta (fixed shapes, every slot; CUDA graphs) through the same backend: the
     public lora_shrink / lora_expand pick its launch."""
     if not hasattr(LoRABatchMeta, "build_static"):
-        pytest.skip("no StaticLoRAMeta in kernels/metadata.py")
+        pytest.skip("no StaticLoRAMeta in raylora_kernels/metadata.py")
     backend = _backend("triton", monkeypatch, [])
     w, slots, x, weight, b, ref = _case("qkv", "decode_base_rows", True)
     step = backend.prepare(LoRABatchMeta.build_static(slots, L))

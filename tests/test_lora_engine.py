@@ -126,7 +126,7 @@ def parity_engine(model_dir: str, **overrides) -> LLMEngine:
 def test_three_adapters_two_slots_match_peft(tiny_model_dir, adapters, monkeypatch, cpu_kernel):
     """Decode batches go to the C++ CPU kernel when it is on, to torch ops when it is off
     (RAYLORA_CPU_KERNEL=0); prefill always to torch ops. Both must match PEFT."""
-    from kernels.backends import CPULoRABackend
+    from raylora_kernels.backends import CPULoRABackend
 
     op_calls = cpu_kernel_mode(monkeypatch, "cpu_kernel" if cpu_kernel == "on" else "torch_ops")
     metas = []

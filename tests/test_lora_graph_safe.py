@@ -3,7 +3,7 @@
 A CUDA graph replays one launch configuration over the same buffers for every step, so the
 tests here run ONE configuration (same T, same tiles, same buffer addresses: checked by
 recording every launch) against a meta updated in place, for adapter mixes in turn, and
-compare with the fp32 references of kernels.torch_ops. Triton runs on the CPU under
+compare with the fp32 references of raylora_kernels.torch_ops. Triton runs on the CPU under
 TRITON_INTERPRET=1 (set with monkeypatch, as tests/test_kernels.py does).
 """
 
@@ -15,11 +15,17 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from kernels import LoRABatchMeta, lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref
-from kernels.metadata import StaticLoRAMeta
+from raylora_kernels import (
+    LoRABatchMeta,
+    lora_expand,
+    lora_expand_ref,
+    lora_shrink,
+    lora_shrink_ref,
+)
+from raylora_kernels.metadata import StaticLoRAMeta
 
-shrink_mod = importlib.import_module("kernels.lora_shrink")
-expand_mod = importlib.import_module("kernels.lora_expand")
+shrink_mod = importlib.import_module("raylora_kernels.lora_shrink")
+expand_mod = importlib.import_module("raylora_kernels.lora_expand")
 NUM_SLOTS = 8  # L
 NUM_TOKENS = 40  # T, the capture size: 3 m tiles of 16 when one slot has every token
 RANK = 16

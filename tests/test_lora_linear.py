@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import (
+from raylora_kernels import (
     LoRABatchMeta,
     SlotWeights,
     base_linear,
@@ -18,11 +18,11 @@ from kernels import (
     lora_linear,
     lora_shrink_ref,
 )
-from kernels.backends import CPULoRABackend
-from kernels.packed_weight import PackedWeight
+from raylora_kernels.backends import CPULoRABackend
+from raylora_kernels.packed_weight import PackedWeight
 from tests.lora_fixtures import cpu_kernel_mode
 
-# Layouts the C++ CPU kernel takes (grouped by slot, up to kernels/backends/cpu.py's
+# Layouts the C++ CPU kernel takes (grouped by slot, up to raylora_kernels/backends/cpu.py's
 # _CPU_KERNEL_MAX_TOKENS a slot: prefill segments too); unsorted ones stay on torch ops.
 CPU_KERNEL_LAYOUTS = {
     "sorted_uniform",
@@ -337,7 +337,7 @@ def test_cpu_linear_matches_f_linear(rows, out_features, in_features, bias):
 def test_cpu_kernel_build_flags_follow_the_headers(monkeypatch, tmp_path):
     """cpp_extension rebuilds on a changed source or flag, not on a changed header alone: the
     headers' hash is one of the flags, so editing linear_cpu.h rebuilds the kernels."""
-    from kernels import cpu_kernel
+    from raylora_kernels import cpu_kernel
 
     assert any(cpu_kernel._CSRC.glob("*.h"))
     monkeypatch.setattr(cpu_kernel, "_CSRC", tmp_path)

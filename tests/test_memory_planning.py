@@ -39,7 +39,7 @@ from engine.models.loader import (
     load_model_config,
     load_state_dict,
 )
-from kernels import make_lora_backend
+from raylora_kernels import make_lora_backend
 from tests.model_fixtures import make_tiny_llama
 
 GiB, MiB = 2**30, 2**20

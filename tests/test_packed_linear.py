@@ -1,12 +1,12 @@
-"""The packed-weight CPU GEMM (kernels/csrc/packed_cpu.cpp, kernels/packed_weight.py) against
+"""The packed-weight CPU GEMM (raylora_kernels/csrc/packed_cpu.cpp, raylora_kernels/packed_weight.py) against
 F.linear, its batch invariance, its LoRA op, its errors, and the engine's packed model."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import LoRABatchMeta, SlotWeights, base_linear, cpu_kernel
-from kernels.packed_weight import PANEL, PackedWeight
+from raylora_kernels import LoRABatchMeta, SlotWeights, base_linear, cpu_kernel
+from raylora_kernels.packed_weight import PANEL, PackedWeight
 
 
 def _op():

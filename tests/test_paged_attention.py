@@ -1,4 +1,4 @@
-"""kernels/paged_attention.py: the Triton decode attention (TRITON_INTERPRET=1) against torch SDPA
+"""raylora_kernels/paged_attention.py: the Triton decode attention (TRITON_INTERPRET=1) against torch SDPA
 over blocks gathered here (an independent route) and the float64 `paged_decode_attention_ref`.
 
 Every cache row that no row's context covers is NaN: the spare blocks that pad the tables
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from engine.attention import AttentionMetadata, paged_attention  # noqa: E402
-from kernels.paged_attention import (  # noqa: E402
+from raylora_kernels.paged_attention import (  # noqa: E402
     MAX_SPLITS,
     MIN_BLOCKS_PER_SPLIT,
     choose_num_splits,
@@ -27,7 +27,7 @@ from kernels.paged_attention import (  # noqa: E402
     paged_decode_attention_ref,
 )
 
-pa = importlib.import_module("kernels.paged_attention")
+pa = importlib.import_module("raylora_kernels.paged_attention")
 BS = 16  # cache block size
 TOL = {  # (atol, rtol) vs float64; outputs are O(1)
     torch.float32: (1e-5, 1e-5),

@@ -1,4 +1,4 @@
-"""The C++ CPU prefill attention (kernels/csrc/prefill_attention_cpu.cpp) against a float64
+"""The C++ CPU prefill attention (raylora_kernels/csrc/prefill_attention_cpu.cpp) against a float64
 causal softmax attention over the same paged cache, and the fused layers
 (csrc/layers_cpu.cpp) on batches that mix prefill chunks and decode tokens against the
 model's own Python layers."""
@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from kernels.cpu_kernel import cpu_prefill_attention_op
+from raylora_kernels.cpu_kernel import cpu_prefill_attention_op
 
 
 def _reference(q, k_cache, v_cache, chunk, table, block_size):

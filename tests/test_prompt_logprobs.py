@@ -221,11 +221,11 @@ def test_llm_generate(tiny_model_dir, hf):
 
 
 def test_packed_cpu_gemm_path(tiny_model_dir, hf, monkeypatch):
-    """The packed-weight lm_head (kernels/packed_weight.py) on the sampling rows and on
+    """The packed-weight lm_head (raylora_kernels/packed_weight.py) on the sampling rows and on
     chunks of prompt rows. The engine packs only where the packed GEMM has AVX-512; packing
     is forced here so the path runs wherever the C++ kernels build."""
-    from kernels import cpu_kernel
-    from kernels.packed_weight import PackedWeight
+    from raylora_kernels import cpu_kernel
+    from raylora_kernels.packed_weight import PackedWeight
 
     monkeypatch.delenv("RAYLORA_CPU_KERNEL", raising=False)
     if cpu_kernel.cpu_lora_op() is None or cpu_kernel.cpu_linear_packed_op() is None:

@@ -2,7 +2,7 @@
 
 The scheduler decides which adapter sits in which slot (engine/scheduler.py SlotTable);
 this manager owns the weights: the CPU cache of validated adapters and, per packed linear,
-the stacked slot tensors the kernels read (kernels.SlotWeights), for each slice s of the
+the stacked slot tensors the kernels read (raylora_kernels.SlotWeights), for each slice s of the
 packed module (q/k/v, gate/up):
     lora_a[s]: [max_loras, max_lora_rank, in_features]   (zero-padded past the adapter's rank)
     lora_b[s]: [max_loras, out_features_s, max_lora_rank] (scaling folded in)
@@ -21,7 +21,7 @@ from engine.config import LoRAConfig
 from engine.lora.adapter import LoRAAdapter, LoRAModelSpec, load_adapter
 from engine.lora.request import LoRARequest
 from engine.models.llama import PACKED_MODULES, LoRALinear
-from kernels import SlotWeights
+from raylora_kernels import SlotWeights
 
 
 class LoRAManager:

@@ -4,7 +4,7 @@
     if model.fused.applies(ctx):
         hidden = model.fused(op, x, cos, sin, ctx, rows)    # [S, hidden] of rows [S]
 
-`op` is raylora_cpu::forward_layers (kernels/csrc/layers_cpu.cpp): every decoder layer of a
+`op` is raylora_cpu::forward_layers (raylora_kernels/csrc/layers_cpu.cpp): every decoder layer of a
 batch of decode tokens and prefill chunks in one C++ call. The model's weights, biases and
 LoRA linears are listed here once, in the op's order, when it is enabled.
 """

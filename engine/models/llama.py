@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2's q/k/v bias) over a paged KV cache.
 
 q/k/v and gate/up are packed into one matmul each; LoRA applies per slice of the packed
-output through kernels.lora_shrink / lora_expand.
+output through raylora_kernels.lora_shrink / lora_expand.
 """
 
 import math
@@ -13,8 +13,8 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.models.fused_layers import FusedLayers
-from kernels import LoRABackend, LoRABatchMeta, SlotWeights, base_linear
-from kernels.packed_weight import PackedWeight
+from raylora_kernels import LoRABackend, LoRABatchMeta, SlotWeights, base_linear
+from raylora_kernels.packed_weight import PackedWeight
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -93,7 +93,7 @@ PACKED_MODULES = {
 class ForwardContext:
     attn: AttentionMetadata
     lora: LoRABatchMeta | None  # None or no_lora: base-only batch, no LoRA work at all
-    # The engine's LoRA backend (kernels.make_lora_backend, chosen once per engine), replaced
+    # The engine's LoRA backend (raylora_kernels.make_lora_backend, chosen once per engine), replaced
     # when the context is built by itself prepared with `lora`: this step's route, decided once
     # for every LoRA linear, held by this context alone (one built ahead for a CUDA graph keeps
     # its own, whatever steps run in between).
@@ -277,7 +277,7 @@ class LlamaForCausalLM(nn.Module):
 
     def enable_cpu_elementwise(self, ops) -> None:
         """Float32 on the CPU: the Python layers' rope and silu-and-mul as one C++ pass each
-        (kernels.cpu_kernel.cpu_elementwise_ops; prefill and LoRA batches run these layers)."""
+        (raylora_kernels.cpu_kernel.cpu_elementwise_ops; prefill and LoRA batches run these layers)."""
         silu_and_mul, rope_qk = ops
         for layer in self.layers:
             layer.self_attn.rope_op = rope_qk
@@ -286,7 +286,7 @@ class LlamaForCausalLM(nn.Module):
     def enable_fused_layers(self, op) -> None:
         """After pack_cpu_weights: run batches whose attention the C++ kernels take (decode
         tokens and prefill chunks, in any mix), without LoRA or with a LoRA batch the C++
-        kernel takes, through `op` (kernels.cpu_kernel.cpu_forward_layers_op: every layer in
+        kernel takes, through `op` (raylora_kernels.cpu_kernel.cpu_forward_layers_op: every layer in
         one C++ call, the same kernels; csrc/layers_cpu.cpp says why). `fused_layers_op = None`
         turns it off again."""
         self.fused_layers_op = op
@@ -302,7 +302,7 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_cpu_weights(self) -> None:
         """After load_weights, on a float32 CPU model with the C++ kernels: every linear's
-        weight, lm_head's too, in the packed GEMM's layout (kernels/packed_weight.py), one
+        weight, lm_head's too, in the packed GEMM's layout (raylora_kernels/packed_weight.py), one
         layer at a time, the plain copies freed (lm_head's is a copy of the embedding's even
         when tied, see load_weights). A tied embedding is then looked up in the packed copy
         and its own freed (113 MB for SmolLM2-135M)."""

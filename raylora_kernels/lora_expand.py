@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.metadata import LoRABatchMeta, StaticLoRAMeta, static_device_table
-from kernels.torch_ops import lora_expand_torch
-from kernels.utils import (
+from raylora_kernels.metadata import LoRABatchMeta, StaticLoRAMeta, static_device_table
+from raylora_kernels.torch_ops import lora_expand_torch
+from raylora_kernels.utils import (
     HAS_TRITON,
     LazyJit,
     cdiv,

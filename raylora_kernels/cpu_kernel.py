@@ -1,4 +1,4 @@
-"""raylora's C++ CPU kernels (kernels/csrc/: lora_cpu.cpp, linear_cpu.cpp, packed_cpu.cpp,
+"""raylora's C++ CPU kernels (raylora_kernels/csrc/: lora_cpu.cpp, linear_cpu.cpp, packed_cpu.cpp,
 attention_cpu.cpp, prefill_attention_cpu.cpp, elementwise_cpu.cpp, layers_cpu.cpp,
 sample_cpu.cpp),
 built on first use with torch's cpp_extension (g++ and ninja) and cached on disk; None where
@@ -16,7 +16,7 @@ they cannot be built.
 The torch path of `lora_linear` uses the LoRA kernel for decode-shaped batches (few tokens per
 adapter), where reading every active adapter's weights is the whole cost and torch's batched
 GEMM reads the expand's weights at about half the memory bandwidth. A float32 CPU model's
-linears (base layers, lm_head) are packed once at load (kernels/packed_weight.py) and run on
+linears (base layers, lm_head) are packed once at load (raylora_kernels/packed_weight.py) and run on
 `linear_packed` at any batch size: faster than MKL here at 1-2048 rows, most at decode's few
 rows, where BLAS repacks the weight on every call. `linear` (the column-split sgemm) serves
 plain float32 weights. Everything else stays on torch ops, and so does everything

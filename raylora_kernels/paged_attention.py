@@ -19,7 +19,7 @@ the table width: a short row in a wide, graph-sized table still spreads over eve
 writes its (max, exp-sum, unnormalised acc) partials to a workspace, and a reduce kernel
 merges them; a split past the row's context writes (-inf, 0, 0) and contributes nothing.
 
-Only tl builtins inside the kernels (kernels/utils.py LazyJit caveat): the reductions are
+Only tl builtins inside the kernels (raylora_kernels/utils.py LazyJit caveat): the reductions are
 `tl.reduce` with triton's own combine functions, which the interpreter maps to numpy.
 """
 
@@ -29,7 +29,7 @@ import functools
 
 import torch
 
-from kernels.utils import (
+from raylora_kernels.utils import (
     DTYPES,
     HAS_TRITON,
     LazyJit,
@@ -399,7 +399,7 @@ def paged_decode_attention_op(
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """`raylora_cpu::paged_decode_attention`'s signature (kernels/csrc/attention_cpu.h), for
+    """`raylora_cpu::paged_decode_attention`'s signature (raylora_kernels/csrc/attention_cpu.h), for
     engine/attention.py's `DecodeBatch.op`: out[rows] = the attention of q[rows]. rows, tables
     and lens must be on q's device. The split count follows the shapes (choose_num_splits)."""
     num_splits = choose_num_splits(tables.shape[1], tables.shape[0], k_cache.shape[1])

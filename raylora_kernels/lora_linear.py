@@ -6,11 +6,11 @@
     y = base_linear(x, weight, bias)    # F.linear (the C++ GEMMs on a float32 CPU)
 
 The engine does not call these per linear: it picks one backend at start-up and prepares it
-once per step (kernels/backends: `make_lora_backend`, `LoRABackend.prepare`), and its linears
+once per step (raylora_kernels/backends: `make_lora_backend`, `LoRABackend.prepare`), and its linears
 call that. These functions build the backend `backend` names for one call (benchmarks, tests,
 the lm_head's base GEMM) and run the same routes: "triton" `lora_shrink` then `lora_expand`;
 "torch" (the CPU path) the C++ CPU kernel for decode-shaped batches where built, one fused
-routine of torch ops otherwise (kernels/backends/cpu.py says which batches take which).
+routine of torch ops otherwise (raylora_kernels/backends/cpu.py says which batches take which).
 
 SlotWeights stores the weights for the CPU GEMM (decode with many adapters is bound by reading
 them, and MKL's batched GEMM streams some layouts about twice as fast as others: measured in
@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.backends import CPULoRABackend, LoRABackend, TritonLoRABackend, cpp_ops
-from kernels.backends.cpu import base_gemm
-from kernels.metadata import LoRABatchMeta
-from kernels.packed_weight import PackedWeight
-from kernels.utils import resolve_backend
+from raylora_kernels.backends import CPULoRABackend, LoRABackend, TritonLoRABackend, cpp_ops
+from raylora_kernels.backends.cpu import base_gemm
+from raylora_kernels.metadata import LoRABatchMeta
+from raylora_kernels.packed_weight import PackedWeight
+from raylora_kernels.utils import resolve_backend
 
 
 @dataclass
@@ -57,7 +57,7 @@ class SlotWeights:
     lora_a: list[torch.Tensor] = field(init=False)  # per slice [L, R, H_in] views of a
     lora_b: list[torch.Tensor] = field(init=False)  # per slice [L, H_out_s, R] views of b_t
     # per slice: (its rank columns of the shrink output, its columns of y, its [L, R, H_out_s]
-    # view of b_t), for the torch routes (kernels/backends/cpu.py)
+    # view of b_t), for the torch routes (raylora_kernels/backends/cpu.py)
     slices: list[tuple[slice, slice, torch.Tensor]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -6,9 +6,9 @@ chosen once per engine (the platform) and once per step (the batch), never per c
     y = step.linear(x, weight, bias, slot_weights)   # every LoRA linear: base + LoRA
     step.add_lora(x, y, slot_weights)  # y += LoRA only;  step.base(x, weight, bias): base only
 
-  "torch"   CPULoRABackend (kernels/backends/cpu.py): the C++ CPU kernels for decode-shaped
+  "torch"   CPULoRABackend (raylora_kernels/backends/cpu.py): the C++ CPU kernels for decode-shaped
             batches where built, one fused routine of torch ops otherwise (also on CUDA tensors)
-  "triton"  TritonLoRABackend (kernels/backends/triton.py): lora_shrink + lora_expand; CUDA,
+  "triton"  TritonLoRABackend (raylora_kernels/backends/triton.py): lora_shrink + lora_expand; CUDA,
             or the CPU under TRITON_INTERPRET=1 (tests)
 
 `prepare` returns a new backend bound to the step's metadata and leaves the engine's untouched:
@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from kernels.backends.cpu import CppOps, CPULoRABackend, cpp_ops
-from kernels.backends.triton import TritonLoRABackend
-from kernels.utils import BACKENDS, HAS_TRITON, interpret_mode
+from raylora_kernels.backends.cpu import CppOps, CPULoRABackend, cpp_ops
+from raylora_kernels.backends.triton import TritonLoRABackend
+from raylora_kernels.utils import BACKENDS, HAS_TRITON, interpret_mode
 
 if TYPE_CHECKING:
-    from kernels.lora_linear import SlotWeights
-    from kernels.metadata import LoRABatchMeta
-    from kernels.packed_weight import PackedWeight
+    from raylora_kernels.lora_linear import SlotWeights
+    from raylora_kernels.metadata import LoRABatchMeta
+    from raylora_kernels.packed_weight import PackedWeight
 
 
 class LoRABackend(Protocol):

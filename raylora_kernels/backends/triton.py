@@ -1,7 +1,7 @@
 """The Triton LoRA backend: `lora_shrink` then `lora_expand` per linear (CUDA, or the CPU under
 TRITON_INTERPRET=1 for tests).
 
-    be = TritonLoRABackend(cpp_ops(device, dtype))   # once per engine (kernels.make_lora_backend)
+    be = TritonLoRABackend(cpp_ops(device, dtype))   # once per engine (raylora_kernels.make_lora_backend)
     step = be.prepare(meta)          # once per step: a LoRABatchMeta, or a StaticLoRAMeta
     y = step.linear(x, weight, bias, w)               # base GEMM, then shrink + expand into y
 
@@ -17,18 +17,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.backends.cpu import CppOps, base_gemm
-from kernels.lora_expand import lora_expand
-from kernels.lora_shrink import lora_shrink
-from kernels.packed_weight import PackedWeight
+from raylora_kernels.backends.cpu import CppOps, base_gemm
+from raylora_kernels.lora_expand import lora_expand
+from raylora_kernels.lora_shrink import lora_shrink
+from raylora_kernels.packed_weight import PackedWeight
 
 if TYPE_CHECKING:
-    from kernels.lora_linear import SlotWeights
-    from kernels.metadata import LoRABatchMeta, StaticLoRAMeta
+    from raylora_kernels.lora_linear import SlotWeights
+    from raylora_kernels.metadata import LoRABatchMeta, StaticLoRAMeta
 
 
 class TritonLoRABackend:
-    """kernels.backends.LoRABackend on the Triton kernels. `ops`: the C++ CPU GEMMs for the
+    """raylora_kernels.backends.LoRABackend on the Triton kernels. `ops`: the C++ CPU GEMMs for the
     base linears under the interpreter on a float32 CPU model (weights may be packed there);
     None on CUDA (F.linear)."""
 

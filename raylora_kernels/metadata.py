@@ -69,7 +69,7 @@ class LoRABatchMeta:
     # active index), so the torch path can slice the stacked weights instead of copying them.
     active_slot_runs: tuple[tuple[int, int, int], ...]
     # int64 [3, A] on the host: each active slot, its first row in sorted order, its token count
-    # (the C++ CPU kernel's segment table, kernels/cpu_kernel.py).
+    # (the C++ CPU kernel's segment table, raylora_kernels/cpu_kernel.py).
     segments: torch.Tensor
 
     @property
@@ -166,7 +166,7 @@ class StaticLoRAMeta:
     `sorted_token_ids[slot_starts[l] : slot_starts[l] + num_tokens_per_slot[l]]`, and a slot no
     token uses has count 0 (its kernel programs exit at once). Tokens with slot -1, and the
     padding rows past the batch (update_ with fewer than T tokens), come last and belong to no
-    slot. The kernels' grids come from (T, L) only (kernels.lora_shrink / lora_expand).
+    slot. The kernels' grids come from (T, L) only (raylora_kernels.lora_shrink / lora_expand).
 
     `no_lora` is always False: whether a step has any adapter token is known only on the
     device. A base-only step launches the same grid; every program finds count 0 and exits,
@@ -255,7 +255,7 @@ _STATIC_TABLES: dict[tuple, torch.Tensor] = {}
 
 def static_device_table(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
     """int64 [len(rows), S] tensor of per-slice launch values (weight data_ptrs, widths, ...),
-    as `kernels.utils.device_table`, but never evicted: a captured CUDA graph keeps reading the
+    as `raylora_kernels.utils.device_table`, but never evicted: a captured CUDA graph keeps reading the
     address it saw at capture, so the tensor must outlive every graph. Cached by value; it
     grows with the number of distinct weight sets (fixed slot weights: a few per layer). The
     first call for a set copies host to device: make it in the warm-up run before capture."""

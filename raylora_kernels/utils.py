@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from kernels.metadata import LoRABatchMeta, StaticLoRAMeta
+from raylora_kernels.metadata import LoRABatchMeta, StaticLoRAMeta
 
 try:
     import triton
@@ -30,7 +30,7 @@ class LazyJit:
     """`triton.jit(fn)`, decided at launch time instead of import time.
 
     `@triton.jit` reads TRITON_INTERPRET when it decorates (at import), so a process
-    that imported `kernels` before setting the variable would keep compiled kernels
+    that imported `raylora_kernels` before setting the variable would keep compiled kernels
     and fail on CPU tensors. Decorating on first launch, once per mode, makes
     `os.environ["TRITON_INTERPRET"] = "1"` work at any point before the call.
     Caveat: triton's own @jit helpers (`tl.cdiv`, `tl.zeros`, `tl.sum`, ...) were decorated when
@@ -98,7 +98,7 @@ def _check_weights(
     name: str, ws: Sequence[torch.Tensor], device: torch.device, shared_dims: tuple[int, ...]
 ) -> None:
     """Per-slice weights: 3-D, one dtype, one device. Contiguous tensors or views of one packed
-    tensor (kernels.SlotWeights) both work: the kernels take the strides of ws[0] for
+    tensor (raylora_kernels.SlotWeights) both work: the kernels take the strides of ws[0] for
     `shared_dims`, so every slice must have those strides."""
     assert isinstance(ws, (list, tuple)) and len(ws) > 0, (
         f"{name} must be a non-empty list of per-slice tensors"

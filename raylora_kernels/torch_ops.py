@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.metadata import LoRABatchMeta
+from raylora_kernels.metadata import LoRABatchMeta
 
 # Cost model: one small torch op costs about as much as this many multiply-adds
 # (shrink) or element copies (expand gather). ~10 us at ~20 GMAC/s on a CPU core.
@@ -67,7 +67,7 @@ def lora_shrink_torch(
     out: torch.Tensor,
     strategy: str | None = None,
 ) -> torch.Tensor:
-    """Torch path of `kernels.lora_shrink` (arguments already checked)."""
+    """Torch path of `raylora_kernels.lora_shrink` (arguments already checked)."""
     if meta.no_lora:
         return out
     num_slots, rank, hidden_in = lora_a[0].shape
@@ -117,7 +117,7 @@ def lora_expand_torch(
     add_inputs: bool,
     strategy: str | None = None,
 ) -> None:
-    """Torch path of `kernels.lora_expand` (arguments already checked)."""
+    """Torch path of `raylora_kernels.lora_expand` (arguments already checked)."""
     if meta.no_lora:
         return
     rank = buf.shape[2]

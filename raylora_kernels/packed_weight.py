@@ -1,7 +1,7 @@
 """A linear layer's float32 weight in the C++ CPU GEMM's panel layout (csrc/packed_cpu.cpp).
 
     pw = PackedWeight.pack(weight)      # weight [N, K] -> pw.data [ceil(N / 48), K, 48]
-    y = base_linear(x, pw, bias)        # kernels.lora_linear: the packed GEMM where built
+    y = base_linear(x, pw, bias)        # raylora_kernels.lora_linear: the packed GEMM where built
     pw.unpack()                         # the [N, K] weight again (bit for bit)
 
 The model runner packs every linear of a float32 CPU model once, after loading, where the

@@ -1,11 +1,11 @@
 """The torch LoRA backend (the CPU path): the C++ CPU kernels where they take the batch, one
 fused routine of torch ops otherwise.
 
-    be = CPULoRABackend(cpp_ops(device, dtype))   # once per engine (kernels.make_lora_backend)
+    be = CPULoRABackend(cpp_ops(device, dtype))   # once per engine (raylora_kernels.make_lora_backend)
     step = be.prepare(meta)                       # once per step: this batch's route
     y = step.linear(x, weight, bias, w)           # per linear: base GEMM + its LoRA
 
-Routes (the same ops, for the same batches, as the per-call functions of kernels/lora_linear.py
+Routes (the same ops, for the same batches, as the per-call functions of raylora_kernels/lora_linear.py
 picked before this backend existed; prepare decides the per-step part once):
   - C++ kernel batches (tokens grouped by slot, at most 16 a slot: decode) where the kernels are
     built: `linear_lora` / `linear_lora_packed` (the base GEMM, then the kernel adding into y,
@@ -33,19 +33,19 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_kernel import (
+from raylora_kernels.cpu_kernel import (
     cpu_linear_lora_op,
     cpu_linear_lora_packed_op,
     cpu_linear_op,
     cpu_linear_packed_op,
     cpu_lora_op,
 )
-from kernels.metadata import LoRABatchMeta
-from kernels.packed_weight import PackedWeight
-from kernels.torch_ops import _sgmv_fits
+from raylora_kernels.metadata import LoRABatchMeta
+from raylora_kernels.packed_weight import PackedWeight
+from raylora_kernels.torch_ops import _sgmv_fits
 
 if TYPE_CHECKING:
-    from kernels.lora_linear import SlotWeights
+    from raylora_kernels.lora_linear import SlotWeights
 
 _CAT_MAX_ELEMENTS = 1 << 16  # deltas up to this size are concatenated before one add into y
 _FUSED_MAX_ELEMENTS = 1 << 18  # outputs up to this size take the delta-then-addmm route
@@ -59,7 +59,7 @@ _KERNEL_WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 
 @dataclass(frozen=True)
 class CppOps:
-    """The C++ CPU kernels (kernels/cpu_kernel.py) a backend calls, looked up once."""
+    """The C++ CPU kernels (raylora_kernels/cpu_kernel.py) a backend calls, looked up once."""
 
     linear: Callable[..., torch.Tensor]  # (x, weight, bias)
     linear_packed: Callable[..., torch.Tensor]  # (x, packed.data, N, bias)
@@ -103,7 +103,7 @@ def base_gemm(
 
 
 class CPULoRABackend:
-    """The torch backend (kernels.backends.LoRABackend). Built once per engine with its C++
+    """The torch backend (raylora_kernels.backends.LoRABackend). Built once per engine with its C++
     kernels (`cpp_ops`, None for torch ops only); `prepare(meta)` returns a copy bound to one
     step's batch, with the route of that batch decided once for every LoRA linear."""
 
