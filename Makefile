@@ -5,17 +5,26 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install model adapters serve status demo test lint bench peer-vllm clean
+.PHONY: install lock model adapters serve status demo test lint bench peer-vllm clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# CPU torch pinned first: an unpinned torch would pull a multi-GB CUDA build
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[test]"
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# constraints.txt anew: pyproject.toml resolved afresh (newest releases) in a throwaway venv.
+lock:
+	rm -rf .venv-lock && $(PY) -m venv .venv-lock
+	.venv-lock/bin/pip install --quiet --upgrade pip
+	.venv-lock/bin/pip install --quiet torch==2.13.0
+	.venv-lock/bin/pip install --quiet -e ".[test]"
+	{ sed -n '/^#/p' constraints.txt; .venv-lock/bin/pip freeze --exclude-editable | grep -iv '^torch=='; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt && rm -rf .venv-lock
 
 model: install
 	$(BIN)/python scripts/fetch_model.py

@@ -4,6 +4,7 @@ transformers 5.25 requires Hugging Face's `kernels` distribution and imports it 
 import ...`) whenever it is installed; a project package named `kernels` shadowed it and broke
 every import of transformers (and so of peft). These checks read pyproject.toml and the
 installed distributions' metadata, so they fail for the next such name, not just that one.
+constraints.txt pins what `make install` installs: the test environment must be that set.
 """
 
 from __future__ import annotations
@@ -35,6 +36,28 @@ def test_no_top_level_name_is_another_distributions() -> None:
         if set(owners.get(name, ())) - {DIST}
     }
     assert not clashes, f"import names another installed distribution also provides: {clashes}"
+
+
+@pytest.mark.timeout(60)
+def test_the_environment_is_the_locked_one() -> None:
+    """Every distribution constraints.txt pins is installed at that version (`make install`
+    installs with -c constraints.txt; a hand-upgraded package shows here, not as a mystery)."""
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, f"constraints.txt: {line!r} is not name==version"
+            pins[name.strip()] = version.strip()
+    assert "torch" not in pins and "transformers" in pins
+    wrong = {}
+    for name, version in pins.items():
+        try:
+            installed = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue  # an optional dependency this environment does not have
+        if installed != version:
+            wrong[name] = (installed, version)
+    assert not wrong, f"installed (installed, pinned) differs from constraints.txt: {wrong}"
 
 
 @pytest.mark.timeout(60)
