@@ -82,6 +82,13 @@ def pick_lora_dtype(config: EngineConfig, model_dtype: torch.dtype, backend: str
     return dtype
 
 
+def _plain_greedy(seq: Sequence) -> bool:
+    """Its token is the logits' argmax and nothing else of them is asked for (no logprobs, no
+    grammar mask): the greedy lm_head can answer it (LlamaForCausalLM.greedy_ids)."""
+    p = seq.params
+    return p.greedy and p.logprobs is None and p.structured_outputs is None
+
+
 def order_by_slot(tagged: Iterable[tuple[T, int]]) -> list[tuple[T, int]]:
     """(item, LoRA slot) pairs with the adapter ones first in ascending slot order and the base
     ones (slot -1) last; stable otherwise. The LoRA kernels then find each slot's tokens as one
@@ -288,6 +295,12 @@ class ModelRunner:
         self, result: ModelRunnerOutput, hidden: torch.Tensor, seqs: list[Sequence]
     ) -> None:
         """Sample one token for each of seqs from its row of hidden [len(seqs), hidden]."""
+        if all(_plain_greedy(s) for s in seqs) and not isinstance(self.sampler, DeviceSampler):
+            ids = self.model.greedy_ids(hidden)  # what the sampler's argmax would give
+            if ids is not None:
+                for seq, token in zip(seqs, ids.tolist(), strict=True):
+                    result.sampled[seq.seq_id] = SampleResult(token, None, None)
+                return
         logits = self.model.compute_logits(hidden)
         if not isinstance(self.sampler, DeviceSampler):
             logits = logits.cpu()

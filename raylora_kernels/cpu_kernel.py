@@ -1,6 +1,6 @@
 """raylora's C++ CPU kernels (raylora_kernels/csrc/: lora_cpu.cpp, linear_cpu.cpp, packed_cpu.cpp,
 attention_cpu.cpp, prefill_attention_cpu.cpp, elementwise_cpu.cpp, layers_cpu.cpp,
-sample_cpu.cpp),
+sample_cpu.cpp, head_cpu.cpp),
 built on first use with torch's cpp_extension (g++ and ninja) and cached on disk; None where
 they cannot be built.
 
@@ -53,6 +53,7 @@ _SOURCES = [
         "elementwise_cpu.cpp",
         "layers_cpu.cpp",
         "sample_cpu.cpp",
+        "head_cpu.cpp",
     )
 ]
 _lock = threading.Lock()
@@ -215,6 +216,16 @@ def cpu_argmax_op() -> Callable[[torch.Tensor], torch.Tensor] | None:
     maxima, a row's first NaN if it has one), vectorised (csrc/sample_cpu.cpp); None if off."""
     ops = _ops()
     return None if ops is None else ops.argmax_rows
+
+
+def cpu_greedy_head_op() -> Callable[..., torch.Tensor] | None:
+    """`greedy_head(x, packed, packed16, wnorm, N)`: the ids argmax(linear_packed(x, packed, N))
+    gives, bit for bit, from a bfloat16 screen and an exact recheck (csrc/head_cpu.cpp); None
+    if off, if this build has no AVX512-BF16, or with RAYLORA_GREEDY_HEAD=0 (A/B runs)."""
+    ops = _ops()
+    if ops is None or os.environ.get("RAYLORA_GREEDY_HEAD", "1") == "0":
+        return None
+    return ops.greedy_head if bool(ops.greedy_head_native()) else None
 
 
 def packed_gemm_fast() -> bool:

@@ -14,6 +14,7 @@ embeddings up in the packed lm_head (`rows(ids)`) and frees the embedding's own 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -55,3 +56,47 @@ class PackedWeight:
     def shape(self) -> torch.Size:
         """The plain weight's shape, [out_features, in_features]."""
         return torch.Size((self.out_features, self.in_features))
+
+
+@dataclass(frozen=True)
+class GreedyHead:
+    """Greedy decoding's lm_head on a PackedWeight: `head(x)` is argmax(x @ W^T, -1) as the
+    packed GEMM's float32 logits give it, bit for bit (the first of equal maxima), at about
+    half the cost: a bfloat16 screen with a proven error bound, then the few panels that can
+    hold the maximum recomputed exactly (csrc/head_cpu.cpp says how). It keeps a bfloat16 copy
+    of the weight (half the float32 one's bytes) and each column's norm.
+
+        head = GreedyHead.build(packed_head, cpu_greedy_head_op())   # None where not built
+        ids = head(hidden)                                           # [S] int64
+    """
+
+    packed: PackedWeight
+    data16: torch.Tensor  # [P, K/2, PANEL, 2] bfloat16: data16[p, i, j, e] = data[p, 2i + e, j]
+    norms: torch.Tensor  # [P * PANEL] float32: column norms, rounded up; padding 0
+    op: Callable[..., torch.Tensor]
+
+    @classmethod
+    def build(
+        cls, pw: PackedWeight, op: Callable[..., torch.Tensor] | None
+    ) -> GreedyHead | None:
+        """None without the op (no AVX512-BF16 build), for an odd K or a weight that is not
+        finite (the screen's bound needs finite values)."""
+        p, k, _ = pw.data.shape
+        if op is None or k % 2 or pw.data.device.type != "cpu" or pw.data.dtype != torch.float32:
+            return None
+        data16 = torch.empty(p, k // 2, PANEL, 2, dtype=torch.bfloat16)
+        norms = torch.empty(p, PANEL, dtype=torch.float64)
+        step = 64  # panels at a time: the float64 transient stays small (lm_head: 1,024 panels)
+        for i in range(0, p, step):
+            chunk = pw.data[i : i + step]  # [c, K, PANEL]
+            if not torch.isfinite(chunk).all():
+                return None
+            data16[i : i + step].copy_(chunk.view(-1, k // 2, 2, PANEL).transpose(2, 3))
+            norms[i : i + step] = chunk.double().square().sum(dim=1).sqrt()
+        up = norms.float()
+        up = torch.where(up.double() < norms, torch.nextafter(up, torch.tensor(torch.inf)), up)
+        return cls(pw, data16, up.reshape(-1).contiguous(), op)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [S, K] float32 (rows contiguous) -> [S] int64 token ids."""
+        return self.op(x, self.packed.data, self.data16, self.norms, self.packed.out_features)

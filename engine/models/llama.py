@@ -14,7 +14,8 @@ from torch import nn
 from engine.attention import AttentionMetadata, paged_attention
 from engine.models.fused_layers import FusedLayers
 from raylora_kernels import LoRABackend, LoRABatchMeta, SlotWeights, base_linear
-from raylora_kernels.packed_weight import PackedWeight
+from raylora_kernels.cpu_kernel import cpu_greedy_head_op
+from raylora_kernels.packed_weight import GreedyHead, PackedWeight
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -243,6 +244,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)
         self.packed_head: PackedWeight | None = None  # pack_cpu_weights
+        self.greedy_head: GreedyHead | None = None  # pack_cpu_weights, where AVX512-BF16
         self.fused_layers_op = None  # enable_fused_layers
         self.fused: FusedLayers | None = None
         self.register_buffer("inv_freq", rope_inv_freq(a), persistent=False)
@@ -296,6 +298,11 @@ class LlamaForCausalLM(nn.Module):
         """hidden: [S, hidden] from hidden_states -> logits [S, vocab] float32."""
         return base_linear(hidden, self.head_weight, None).float()
 
+    def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """argmax(compute_logits(hidden), -1), the same ids, without the float32 logits (the
+        packed lm_head's bfloat16 screen, GreedyHead); None where it is not built."""
+        return None if self.greedy_head is None else self.greedy_head(hidden)
+
     @property
     def head_weight(self) -> torch.Tensor | PackedWeight:
         return self.lm_head.weight if self.packed_head is None else self.packed_head
@@ -312,6 +319,7 @@ class LlamaForCausalLM(nn.Module):
                     module.pack_weight()
         self.packed_head = PackedWeight.pack(self.lm_head.weight)
         del self.lm_head
+        self.greedy_head = GreedyHead.build(self.packed_head, cpu_greedy_head_op())
         if self.args.tie_word_embeddings:
             self.embed_tokens = PackedEmbedding(self.packed_head)
 

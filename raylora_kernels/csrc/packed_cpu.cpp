@@ -106,6 +106,10 @@ void packed_panels(const at::Tensor& x, const at::Tensor& packed, const float* b
   }
 }
 
+void packed_panel_row(const float* x, int64_t K, const float* panel, float* out) {
+  tile<1>(x, K, K, panel, nullptr, out, kPanel, 0, kPanel);
+}
+
 std::pair<int64_t, int64_t> thread_share(int64_t count, int tid, int num_threads) {
   const int64_t per = (count + num_threads - 1) / num_threads;
   const int64_t begin = std::min<int64_t>(count, tid * per);

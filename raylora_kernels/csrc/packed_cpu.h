@@ -29,6 +29,10 @@ void linear_packed_into(const at::Tensor& x, const at::Tensor& packed, const flo
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                          const std::optional<at::Tensor>& bias);
 
+// out[0..kPanel) = one row x [K] times one panel [K, kPanel]: the same sums, in the same order,
+// as every tile of packed_panels (so the same bits as linear_packed's for that row).
+void packed_panel_row(const float* x, int64_t K, const float* panel, float* out);
+
 // Thread tid's contiguous share [begin, end) of count items (panels, LoRA slots).
 std::pair<int64_t, int64_t> thread_share(int64_t count, int tid, int num_threads);
 
