@@ -113,7 +113,7 @@ def test_the_column_norms_bound_the_weight():
     exact = weight.double().norm(dim=1)
     assert head.norms.shape == (3 * PANEL,)
     assert (head.norms[:130].double() >= exact).all() and not head.norms[130:].any()
-    assert torch.allclose(head.norms[:130].double(), exact, rtol=1e-6)
+    assert torch.allclose(head.norms[:130].double(), exact, rtol=2e-4)
     expected16 = weight.to(torch.bfloat16)  # round to nearest even, as the screen's x
     assert torch.equal(head.data16[1, 5, 7], expected16[PANEL + 7, 10:12])
 
