@@ -114,9 +114,9 @@ def lora_counts(stats: dict[str, dict]) -> dict[str, dict[str, int]]:
     }
 
 
-async def replay(handle, trace, max_tokens: int) -> tuple[list[float], list[str]]:
-    """Send every request at its arrival time; -> (latencies in s, errors)."""
-    latencies: list[float] = []
+async def replay(handle, trace, max_tokens: int) -> tuple[dict[int, float], list[str]]:
+    """Send every request at its arrival time; -> ({trace index: latency in s}, errors)."""
+    latencies: dict[int, float] = {}
     errors: list[str] = []
 
     async def one(i: int, adapter: str) -> None:
@@ -130,7 +130,7 @@ async def replay(handle, trace, max_tokens: int) -> tuple[list[float], list[str]
             out = await handle.options(multiplexed_model_id=adapter).complete.remote(request)
             if not out.finished:
                 raise RuntimeError("unfinished output")
-            latencies.append(time.perf_counter() - start)
+            latencies[i] = time.perf_counter() - start
         except Exception as e:
             errors.append(f"{adapter}: {e!r}")
 
@@ -229,7 +229,7 @@ def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -
     activations = sum(after[r]["activations"] - before[r]["activations"] for r in after)
     disk = sum(after[r]["disk"] - before[r]["disk"] for r in after)
     resident = [len(s["adapters_in_cpu"]) for s in after_stats.values()]
-    lat = sorted(latencies)
+    lat = sorted(latencies.values())
     return {
         "policy": policy,
         "ok": len(latencies),
@@ -242,6 +242,7 @@ def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -
         "mean_ms": 1000 * statistics.fmean(lat) if lat else float("nan"),
         "cpu_cached_per_replica": resident,
         "wall_s": wall,
+        "latency_ms": {i: 1000 * x for i, x in sorted(latencies.items())},
     }
 
 
@@ -318,6 +319,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--p99-tolerance", type=float, default=0.1, help="p99 'no worse' within this")
     p.add_argument("--workdir", type=Path, default=Path.home() / ".cache/raylora/bench-routing")
     p.add_argument("--smoke", action="store_true", help="2 replicas, 6 adapters, 60 requests")
+    p.add_argument(
+        "--latencies-out",
+        type=Path,
+        default=None,
+        help="JSON: the trace (arrival s, adapter) and every run's latency per request",
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.replicas, args.adapters, args.requests, args.rate = 2, 6, 60, 20.0
@@ -370,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             ray.shutdown()
 
+    if args.latencies_out is not None:
+        runs = [{k: r[k] for k in ("policy", "run", "latency_ms")} for r in results]
+        args.latencies_out.write_text(json.dumps({"trace": trace, "runs": runs}))
+        print(f"latencies: {args.latencies_out}")
     for run in range(args.runs):
         print(f"\nrun {run + 1}:")
         print_table([r for r in results if r["run"] == run], args.requests)
