@@ -9,7 +9,8 @@
 //
 // 1. Screen: a[t, n] = x[t] . W[n] with both in bfloat16 (vdpbf16ps: 32 products a register,
 //    2x the fp32 FMA rate, half the weight bytes). For finite x and W, the float32 logit the
-//    packed GEMM computes, y[t, n], satisfies |a - y| <= eps = c * |x_t| * |W_n| (c below:
+//    packed GEMM computes, y[t, n], satisfies |a - y| <= eps = c * |x_t| * |W_n| + ab_t (c below,
+//    ab_t for subnormals:
 //    each bf16 rounding is within 2^-8 relative, the products are exact, both sums in fp32
 //    add gamma_2K; Cauchy-Schwarz bounds sum_k |x_k W_nk|). So n can be the argmax only if
 //    a + eps >= max_m (a_m - eps_m); the screen keeps, per row and panel, max(a + eps).
@@ -61,11 +62,13 @@ inline uint16_t to_bf16(float f) {
 }
 
 #if defined(__AVX512BF16__)
-// umax[t, p] = max_j (a[t, p*48 + j] + cx[t] * wnorm[p*48 + j]) over the panel's real columns
-// and lo[t] = max(lo[t], max_j (a - cx * wnorm)), for M rows of bf16 pairs xp [M, K/2].
+// With eps = cx[t] * wnorm[p*48 + j] + ab[t]: umax[t, p] = max_j (a[t, p*48 + j] + eps) over
+// the panel's real columns and lo[t] = max(lo[t], max_j (a - eps)), for M rows of bf16 pairs
+// xp [M, K/2].
 template <int M>
 void screen_tile(const uint32_t* xp, int64_t K2, const uint16_t* panel, const float* wn,
-                 int64_t ncols, const float* cx, float* umax, int64_t umax_stride, float* lo) {
+                 int64_t ncols, const float* cx, const float* ab, float* umax,
+                 int64_t umax_stride, float* lo) {
   __m512 acc[M][3];
   for (int t = 0; t < M; ++t) acc[t][0] = acc[t][1] = acc[t][2] = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < K2; ++kk) {
@@ -84,8 +87,9 @@ void screen_tile(const uint32_t* xp, int64_t K2, const uint16_t* panel, const fl
     const __m512 e0 = _mm512_loadu_ps(wn), e1 = _mm512_loadu_ps(wn + 16),
                  e2 = _mm512_loadu_ps(wn + 32);
     for (int t = 0; t < M; ++t) {
-      const __m512 s = _mm512_set1_ps(cx[t]);
-      const __m512 d0 = _mm512_mul_ps(s, e0), d1 = _mm512_mul_ps(s, e1), d2 = _mm512_mul_ps(s, e2);
+      const __m512 s = _mm512_set1_ps(cx[t]), b = _mm512_set1_ps(ab[t]);
+      const __m512 d0 = _mm512_fmadd_ps(s, e0, b), d1 = _mm512_fmadd_ps(s, e1, b),
+                   d2 = _mm512_fmadd_ps(s, e2, b);
       const __m512 up = _mm512_max_ps(_mm512_max_ps(_mm512_add_ps(acc[t][0], d0),
                                                     _mm512_add_ps(acc[t][1], d1)),
                                       _mm512_add_ps(acc[t][2], d2));
@@ -104,7 +108,7 @@ void screen_tile(const uint32_t* xp, int64_t K2, const uint16_t* panel, const fl
     _mm512_store_ps(a + 32, acc[t][2]);
     float up = kNegInf, low = lo[t];
     for (int64_t j = 0; j < ncols; ++j) {
-      const float e = cx[t] * wn[j];
+      const float e = cx[t] * wn[j] + ab[t];
       up = std::max(up, a[j] + e);
       low = std::max(low, a[j] - e);
     }
@@ -114,7 +118,7 @@ void screen_tile(const uint32_t* xp, int64_t K2, const uint16_t* panel, const fl
 }
 
 using ScreenFn = void (*)(const uint32_t*, int64_t, const uint16_t*, const float*, int64_t,
-                          const float*, float*, int64_t, float*);
+                          const float*, const float*, float*, int64_t, float*);
 constexpr ScreenFn kScreens[kRows + 1] = {
     nullptr,          &screen_tile<1>, &screen_tile<2>, &screen_tile<3>, &screen_tile<4>,
     &screen_tile<5>, &screen_tile<6>, &screen_tile<7>, &screen_tile<8>};
@@ -161,12 +165,15 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& packed, const at::
   const float* wn = wnorm.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
 
-  // Per row: cx = c * |x| (a screened row), or -1 (the exact fallback); its bf16 pairs.
+  // Per row: cx = c * |x| (a screened row), or -1 (the exact fallback); ab, an absolute
+  // slack for what the relative bound leaves out: values below float's normal range, which
+  // vdpbf16ps flushes to 0 (inputs and results), each off by at most 2^-126 times the
+  // other factor: K * 2^-126 * (max |W_n| + |x| + 2), doubled; its bf16 pairs.
   const double c = bound_c(K);
   float wmax = 0.f;  // a NaN or infinite norm (weights not finite) screens no row
   for (int64_t n = 0; n < P * kPanel; ++n)
     wmax = std::isfinite(wn[n]) ? std::max(wmax, wn[n]) : std::numeric_limits<float>::infinity();
-  std::vector<float> cx(T);
+  std::vector<float> cx(T), ab(T);
   std::vector<uint32_t> xp(T * K2);
   for (int64_t t = 0; t < T; ++t) {
     const float* r = xf + t * xs;
@@ -175,7 +182,9 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& packed, const at::
     const double norm = std::sqrt(ss);
     // finite, and no logit (|y| <= |x| |W_n|) or screen value near float's range
     const bool screened = std::isfinite(norm) && norm * wmax < 1e30;
-    cx[t] = screened ? static_cast<float>(c * norm * (1 + 1e-6)) + 1e-30f : -1.f;
+    cx[t] = screened ? static_cast<float>(c * norm * (1 + 1e-6)) : -1.f;
+    const double tiny = 2 * K * std::ldexp(1.0, -126) * (wmax + norm + 2);
+    ab[t] = screened ? static_cast<float>(tiny) : 0.f;
     for (int64_t kk = 0; screened && kk < K2; ++kk)
       xp[t * K2 + kk] = uint32_t(to_bf16(r[2 * kk])) | (uint32_t(to_bf16(r[2 * kk + 1])) << 16);
   }
@@ -195,7 +204,7 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& packed, const at::
           const int64_t ncols = std::min<int64_t>(kPanel, N - p * kPanel);
           kScreens[std::min<int64_t>(kRows, T - t0)](
               xp.data() + t0 * K2, K2, w16 + p * K2 * kPanel * 2, wn + p * kPanel, ncols,
-              cx.data() + t0, umax.data() + t0 * P + p, P, mylo + t0);
+              cx.data() + t0, ab.data() + t0, umax.data() + t0 * P + p, P, mylo + t0);
         }
     }
   }
