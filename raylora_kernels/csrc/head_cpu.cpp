@@ -9,10 +9,10 @@
 //
 // 1. Screen: a[t, n] = x[t] . W[n] with both in bfloat16 (vdpbf16ps: 32 products a register,
 //    2x the fp32 FMA rate, half the weight bytes). For finite x and W, the float32 logit the
-//    packed GEMM computes, y[t, n], satisfies |a - y| <= eps = c * |x_t| * |W_n| + ab_t (c below,
-//    ab_t for subnormals:
-//    each bf16 rounding is within 2^-8 relative, the products are exact, both sums in fp32
-//    add gamma_2K; Cauchy-Schwarz bounds sum_k |x_k W_nk|). So n can be the argmax only if
+//    packed GEMM computes, y[t, n], satisfies |a - y| <= eps = c * |x_t| * |W_n| + ab_t (ab_t:
+//    subnormals, below; c: each bf16 rounding is within 2^-8 relative, the products are exact,
+//    both sums in fp32 add gamma_2K; Cauchy-Schwarz bounds sum_k |x_k W_nk|). So n can be the
+//    argmax only if
 //    a + eps >= max_m (a_m - eps_m); the screen keeps, per row and panel, max(a + eps).
 // 2. Exact: every panel of a row that can hold the argmax is recomputed by packed_cpu.cpp's
 //    own tile (packed_panel_row: the same sums, the same bits as linear_packed), and the
