@@ -124,12 +124,15 @@ constexpr ScreenFn kScreens[kRows + 1] = {
     &screen_tile<5>, &screen_tile<6>, &screen_tile<7>, &screen_tile<8>};
 #endif
 
-// torch.argmax's pick over exact logits of every panel (the fallback for a row not screened).
-int64_t exact_row_argmax(const float* x, int64_t K, const float* packed, int64_t P, int64_t N) {
+// torch.argmax's pick (its first NaN, else its first maximum) over the exact logits of the
+// panels p with umax[p] >= lowest (every panel when umax is null: a row not screened).
+int64_t exact_argmax(const float* x, int64_t K, const float* packed, int64_t P, int64_t N,
+                     const float* umax, float lowest) {
   alignas(64) float y[kPanel];
   float best = kNegInf;
   int64_t arg = -1;
   for (int64_t p = 0; p < P; ++p) {
+    if (umax != nullptr && umax[p] < lowest) continue;
     packed_panel_row(x, K, packed + p * K * kPanel, y);
     for (int64_t j = 0; j < kPanel && p * kPanel + j < N; ++j) {
       if (std::isnan(y[j])) return p * kPanel + j;
@@ -214,21 +217,12 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& packed, const at::
   for (int64_t t = 0; t < T; ++t) {
     const float* r = xf + t * xs;
     if (cx[t] < 0) {
-      op[t] = exact_row_argmax(r, K, wf, P, N);
+      op[t] = exact_argmax(r, K, wf, P, N, nullptr, kNegInf);
       continue;
     }
     float floor_ = kNegInf;
     for (int i = 0; i < nt; ++i) floor_ = std::max(floor_, lo[i * T + t]);
-    alignas(64) float y[kPanel];
-    float best = kNegInf;
-    int64_t arg = -1;
-    for (int64_t p = 0; p < P; ++p) {
-      if (umax[t * P + p] < floor_) continue;
-      packed_panel_row(r, K, wf + p * K * kPanel, y);
-      for (int64_t j = 0; j < kPanel && p * kPanel + j < N; ++j)
-        if (y[j] > best || arg < 0) best = y[j], arg = p * kPanel + j;
-    }
-    op[t] = arg;
+    op[t] = exact_argmax(r, K, wf, P, N, umax.data() + t * P, floor_);
   }
   return out;
 #endif
