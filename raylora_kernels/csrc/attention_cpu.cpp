@@ -97,10 +97,11 @@ void item(const Geometry& geo, const float* q, const float* kc, const float* vc,
     at[i] = (int64_t{table[blk]} * geo.bs + off) * row;
     if (++off == geo.bs) off = 0, ++blk;
   }
-  for (int64_t i = 0; i < std::min<int64_t>(kAhead, len); ++i) {
+  auto prefetch_position = [&](int64_t i) {  // its K and V rows
     prefetch_row(kc + at[i], row);
     prefetch_row(vc + at[i], row);
-  }
+  };
+  for (int64_t i = 0; i < std::min<int64_t>(kAhead, len); ++i) prefetch_position(i);
   for (int64_t i0 = 0; i0 < padded; i0 += 16) {
     for (int64_t i = i0; i < i0 + 16; ++i) {
       if (i >= len) {
@@ -108,10 +109,7 @@ void item(const Geometry& geo, const float* q, const float* kc, const float* vc,
         continue;
       }
       const float* kp = kc + at[i];
-      if (i + kAhead < len) {  // V too: its pass below then finds the chunk in L2
-        prefetch_row(kc + at[i + kAhead], row);
-        prefetch_row(vc + at[i + kAhead], row);
-      }
+      if (i + kAhead < len) prefetch_position(i + kAhead);  // V too: its pass finds it in L2
       for (int64_t h = 0; h < Hkv; ++h) {
         v16 kv[DV];
         for (int j = 0; j < DV; ++j) kv[j] = load(kp + h * D + j * 16);

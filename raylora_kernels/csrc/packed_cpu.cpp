@@ -34,14 +34,16 @@ constexpr int kRows = 8;  // tokens per tile: 8 x 3 accumulators + 3 weight regi
 // group being computed and the next one, prefetched meanwhile, both stay in it.
 constexpr int64_t kGroupBytes = 256 * 1024;
 constexpr int64_t kAhead = 24;  // k steps a full tile prefetches its own panel ahead
+constexpr int64_t kLine = 64;   // bytes per cache line (the prefetches' unit)
 
 // y[t, n0 + j] = sum_k x[t, k] * panel[k, j] (+ bias[n0 + j]) for t < M, j < ncols.
 // Meanwhile it prefetches pf_lines cache lines from pf into L2, spread over its k steps
 // (packed_panels: the next group's weights), and a full tile its own panel kAhead k steps
 // ahead into L1. Why: at decode the weights stream from DRAM, and the hardware prefetcher
 // alone leaves the tile waiting on them; measured with 30 layers' weights (424 MB) here, the
-// linears of 16 rows took 29 -> 23 ms, 32 rows 44 -> 40 ms, 8 rows -10%. Small tiles (1-4
-// rows, memory-bound) were slower with their own prefetch: the hardware's suffices there.
+// linears of 16 rows took 29 -> 23 ms, 32 rows 44 -> 40 ms, 8 rows -10%. Tiles of fewer
+// rows (measured at 1 and 4, memory-bound) were slower with their own prefetch: the
+// hardware's suffices there.
 template <int M>
 void tile(const float* x, int64_t x_stride, int64_t K, const float* panel, const float* bias,
           float* y, int64_t y_stride, int64_t n0, int64_t ncols, const char* pf,
@@ -51,7 +53,7 @@ void tile(const float* x, int64_t x_stride, int64_t K, const float* panel, const
   for (int64_t k = 0; k < K; ++k) {
     const float* w = panel + k * kPanel;
     for (int64_t i = k * per_k; i < (k + 1) * per_k && i < pf_lines; ++i)
-      __builtin_prefetch(pf + i * 64, 0, 2);
+      __builtin_prefetch(pf + i * kLine, 0, 2);
     if constexpr (M == kRows) {  // a panel row is 48 floats: three cache lines
       __builtin_prefetch(w + kAhead * kPanel, 0, 3);
       __builtin_prefetch(w + kAhead * kPanel + 16, 0, 3);
@@ -120,7 +122,8 @@ void packed_panels(const at::Tensor& x, const at::Tensor& packed, const float* b
   for (int64_t g0 = p0; g0 < p1; g0 += group) {
     const int64_t g1 = std::min(p1, g0 + group), next_end = std::min(p1, g1 + group);
     const char* next = reinterpret_cast<const char*>(wp + g1 * K * kPanel);
-    const int64_t lines = ntiles > 1 ? (next_end - g1) * K * kPanel * 4 / 64 : 0;
+    const int64_t lines =
+        ntiles > 1 ? (next_end - g1) * K * kPanel * int64_t{sizeof(float)} / kLine : 0;
     const int64_t calls = (ntiles - 1) * (g1 - g0);  // the tiles that share them out
     int64_t call = 0;
     for (int64_t t0 = 0; t0 < T; t0 += kRows)
@@ -129,7 +132,8 @@ void packed_panels(const at::Tensor& x, const at::Tensor& packed, const float* b
         int64_t b = 0, e = 0;
         if (t0 > 0 && lines > 0) b = lines * call / calls, e = lines * (call + 1) / calls, ++call;
         kTiles[std::min<int64_t>(kRows, T - t0)](xp + t0 * xs, xs, K, wp + p * K * kPanel, bias,
-                                                 yp + t0 * N, N, n0, ncols, next + b * 64, e - b);
+                                                 yp + t0 * N, N, n0, ncols, next + b * kLine,
+                                                 e - b);
       }
   }
 }
