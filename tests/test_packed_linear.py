@@ -96,6 +96,33 @@ def test_linear_lora_packed_matches_plain_linear_lora():
     assert not torch.allclose(ours[:6], base[:6])
 
 
+@pytest.mark.parametrize("rows", [1, 5, 8, 17, 64, 300])
+@pytest.mark.parametrize("intermediate", [48, 144])
+def test_linear_packed_silu_fuses_gate_up_and_silu(rows, intermediate):
+    """The fused gate_up + silu-and-mul (the decoder layers' MLP without LoRA) against
+    float64 silu(x Wg^T) * (x Wu^T), and the same bits as the two ops it replaces, on one and
+    two threads (thread splits of 1 and 3 gate panels, tiles of every remainder)."""
+    gen = torch.Generator().manual_seed(rows + intermediate)
+    x = torch.randn(rows, 64 + 5, generator=gen)[:, :64]
+    weight = torch.randn(2 * intermediate, 64, generator=gen) * 0.3
+    pw = PackedWeight.pack(weight)
+    fused = torch.ops.raylora_cpu.linear_packed_silu
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            act = fused(x, pw.data, intermediate)
+            gu = _op()(x, pw.data, 2 * intermediate, None)
+            assert torch.equal(act, torch.ops.raylora_cpu.silu_and_mul(gu, intermediate))
+            xd, wd = x.double(), weight.double()
+            ref = F.silu(xd @ wd[:intermediate].t()) * (xd @ wd[intermediate:].t())
+            torch.testing.assert_close(act, ref.float(), rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="whole panels"):  # the up half must start a panel
+        fused(x, PackedWeight.pack(torch.randn(2 * 40, 64)).data, 40)
+
+
 def test_linear_packed_rejects_bad_arguments():
     pw = PackedWeight.pack(torch.randn(100, 32))
     x = torch.randn(4, 32)

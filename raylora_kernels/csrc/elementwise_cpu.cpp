@@ -23,15 +23,6 @@ namespace {
 // they split only past 2^18 elements.
 inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, (1 << 18) / row_elems); }
 
-// silu(x) = x / (1 + e^-x), from e = e^-|x| (<= 1, vexp's range): x / (1 + e) for x >= 0,
-// x e / (1 + e) below. Within a few ulp of torch's F.silu.
-inline simd::v16 vsilu(simd::v16 x) {
-  using namespace simd;
-  const v16 zero = splat(0.f), one = splat(1.f);
-  const v16 e = vexp(x < zero ? x : -x);
-  return (x < zero ? x * e : x) / (one + e);
-}
-
 // out = silu(gu[:, :I]) * gu[:, I:] (F.silu(gate) * up), rows of gu contiguous, any T;
 // out [T, I] contiguous.
 }  // namespace
@@ -46,7 +37,7 @@ void silu_and_mul_into(const at::Tensor& gu, int64_t I, at::Tensor& out) {
       const float* up = gate + I;
       float* y = o + t * I;
       for (int64_t i = 0; i < vec; i += 16)
-        simd::store(y + i, vsilu(simd::load(gate + i)) * simd::load(up + i));
+        simd::store(y + i, simd::vsilu(simd::load(gate + i)) * simd::load(up + i));
       for (int64_t i = vec; i < I; ++i) y[i] = (gate[i] / (1.f + std::exp(-gate[i]))) * up[i];
     }
   });

@@ -187,6 +187,10 @@ at::Tensor forward_layers(const at::Tensor& x_in, const at::Tensor& cos, const a
   // down, and their ranks; each linear is then linear_lora_packed, the base GEMM and every
   // active slot's LoRA in one call, as the Python layers' CPU backend runs it.
   const bool with_lora = segments.has_value();
+  // gate_up and silu-and-mul in one pass (packed_cpu.cpp), where no LoRA adds to gate_up between
+  bool fuse_silu = !with_lora;
+  for (int64_t l = 0; l < L && fuse_silu; ++l)
+    fuse_silu = silu_fusable(weights[l * kPerLayer + 4], I);
   TORCH_CHECK(!with_lora || (static_cast<int64_t>(lora.size()) == 8 * L &&
                              static_cast<int64_t>(lora_ranks.size()) == 4 * L),
               "forward_layers: LoRA needs a and b_t of 4 linears per layer and their ranks");
@@ -232,7 +236,8 @@ at::Tensor forward_layers(const at::Tensor& x_in, const at::Tensor& cos, const a
   at::Tensor h = at::empty({T, hidden}, f), delta = at::empty({T, hidden}, f);
   at::Tensor qkv = at::empty({T, (H + 2 * Hkv) * D}, f);
   at::Tensor q = at::empty({T, H, D}, f), o = at::empty({T, H, D}, f);
-  at::Tensor gu = at::empty({T, 2 * I}, f), act = at::empty({T, I}, f);
+  at::Tensor gu = fuse_silu ? at::Tensor() : at::empty({T, 2 * I}, f);
+  at::Tensor act = at::empty({T, I}, f);
   float* xp = x.data_ptr<float>();
   const float fe = static_cast<float>(eps);
   PhaseClock clock;
@@ -263,16 +268,22 @@ at::Tensor forward_layers(const at::Tensor& x_in, const at::Tensor& cos, const a
       n = R;
     }
     at::Tensor hn = h.narrow(0, 0, n), dn = delta.narrow(0, 0, n);
-    at::Tensor gun = gu.narrow(0, 0, n), actn = act.narrow(0, 0, n);
+    at::Tensor gun = fuse_silu ? gu : gu.narrow(0, 0, n), actn = act.narrow(0, 0, n);
     linear(attn, w[2], l, 1, hidden, std::nullopt, dn);
     clock.lap(kLinears);
     add_rms_norm(xp, dn.data_ptr<float>(), w[3].data_ptr<float>(), fe, hn.data_ptr<float>(), n,
                  hidden);
     clock.lap(kElementwise);
-    linear(hn, w[4], l, 2, 2 * I, std::nullopt, gun);
-    clock.lap(kLinears);
-    silu_and_mul_into(gun, I, actn);
-    clock.lap(kElementwise);
+    if (fuse_silu) {  // gate_up and silu-and-mul in one pass (the same bits)
+      check_packed(hn, w[4], 2 * I, std::nullopt);
+      linear_packed_silu_into(hn, w[4], I, actn);
+      clock.lap(kLinears);
+    } else {
+      linear(hn, w[4], l, 2, 2 * I, std::nullopt, gun);
+      clock.lap(kLinears);
+      silu_and_mul_into(gun, I, actn);
+      clock.lap(kElementwise);
+    }
     linear(actn, w[5], l, 3, hidden, std::nullopt, dn);
     clock.lap(kLinears);
     if (l + 1 < L) {  // the next layer's input norm, fused with this residual add

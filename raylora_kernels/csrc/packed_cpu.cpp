@@ -13,6 +13,7 @@
 // The panels are split between the OpenMP threads. Built with lora_cpu.cpp by
 // kernels/cpu_kernel.py.
 #include "packed_cpu.h"
+#include "simd_cpu.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -44,10 +45,13 @@ constexpr int64_t kLine = 64;   // bytes per cache line (the prefetches' unit)
 // linears of 16 rows took 29 -> 23 ms, 32 rows 44 -> 40 ms, 8 rows -10%. Tiles of fewer
 // rows (measured at 1 and 4, memory-bound) were slower with their own prefetch: the
 // hardware's suffices there.
+// With gate (the fused gate_up: this is an up panel, gate [M, kPanel] the same rows' gate
+// panel's outputs, no bias, ncols = kPanel), y[t, n0 + j] = silu(gate[t, j]) * the sum:
+// silu-and-mul's bits (the same simd::vsilu), without writing gate_up out and reading it back.
 template <int M>
 void tile(const float* x, int64_t x_stride, int64_t K, const float* panel, const float* bias,
-          float* y, int64_t y_stride, int64_t n0, int64_t ncols, const char* pf,
-          int64_t pf_lines) {
+          float* y, int64_t y_stride, int64_t n0, int64_t ncols, const float* gate,
+          const char* pf, int64_t pf_lines) {
   v16 acc[M][3] = {};
   const int64_t per_k = (pf_lines + K - 1) / K;  // lines prefetched per k step
   for (int64_t k = 0; k < K; ++k) {
@@ -67,6 +71,13 @@ void tile(const float* x, int64_t x_stride, int64_t K, const float* panel, const
       acc[t][2] += s * w2;
     }
   }
+  if (gate != nullptr) {
+    for (int t = 0; t < M; ++t)
+      for (int v = 0; v < 3; ++v)
+        store(y + t * y_stride + n0 + v * 16,
+              simd::vsilu(load(gate + t * kPanel + v * 16)) * acc[t][v]);
+    return;
+  }
   float out[kPanel];
   for (int t = 0; t < M; ++t) {
     store(out, acc[t][0]);
@@ -79,7 +90,7 @@ void tile(const float* x, int64_t x_stride, int64_t K, const float* panel, const
 }
 
 using TileFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, float*,
-                        int64_t, int64_t, int64_t, const char*, int64_t);
+                        int64_t, int64_t, int64_t, const float*, const char*, int64_t);
 constexpr TileFn kTiles[kRows + 1] = {nullptr,  &tile<1>, &tile<2>, &tile<3>, &tile<4>,
                                       &tile<5>, &tile<6>, &tile<7>, &tile<8>};
 
@@ -105,41 +116,86 @@ const float* check_packed(const at::Tensor& x, const at::Tensor& packed, int64_t
   return bias->data_ptr<float>();
 }
 
-void packed_panels(const at::Tensor& x, const at::Tensor& packed, const float* bias,
-                   at::Tensor& y, int64_t p0, int64_t p1) {
-  const int64_t T = x.size(0), K = x.size(1), N = y.size(1), xs = x.stride(0);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // A few panels at a time (kGroupBytes), each tile of x rows going through
-  // all of them while it is in L1: x (2,048 x 576 floats = 4.7 MB at prefill) is then read
-  // from L3 once per group of panels, not once per panel.
-  // With two tiles of rows or more, the tiles after the first (which reads the group from
-  // memory) prefetch the next group of this thread's panels between them: its first tile
-  // then finds it in L2, and the weights' DRAM stream overlaps the arithmetic.
-  const int64_t group = std::max<int64_t>(1, kGroupBytes / (K * kPanel * int64_t{sizeof(float)}));
+namespace {
+
+// y = x @ W^T over panels [p0, p1) (up_off 0), or, fused, act[:, panel p] = silu(x @ gate
+// panel p) * (x @ up panel p + up_off) for gate panels p in [p0, p1) (y is then act [T, N]).
+// A few panels at a time (kGroupBytes), each tile of x rows going through all of them while
+// it is in L1: x (2,048 x 576 floats = 4.7 MB at prefill) is then read from L3 once per group
+// of panels, not once per panel. With two tiles of rows or more, the tiles after the first
+// (which reads the group from memory) prefetch the next group of this thread's panels between
+// them: its first tile then finds it in L2, and the weights' DRAM stream overlaps the
+// arithmetic.
+void walk_panels(const float* xp, int64_t xs, int64_t T, int64_t K, const float* wp,
+                 const float* bias, float* yp, int64_t N, int64_t p0, int64_t p1,
+                 int64_t up_off) {
+  const int64_t panel = K * kPanel, per = up_off > 0 ? 2 : 1;  // panels a step computes
+  const int64_t group =
+      std::max<int64_t>(1, kGroupBytes / (per * panel * int64_t{sizeof(float)}));
   const int64_t ntiles = (T + kRows - 1) / kRows;
+  float gate[kRows * kPanel];  // the fused form's gate tile
   for (int64_t g0 = p0; g0 < p1; g0 += group) {
     const int64_t g1 = std::min(p1, g0 + group), next_end = std::min(p1, g1 + group);
-    const char* next = reinterpret_cast<const char*>(wp + g1 * K * kPanel);
+    const char* next = reinterpret_cast<const char*>(wp + g1 * panel);
+    const char* next_up = reinterpret_cast<const char*>(wp + (g1 + up_off) * panel);
     const int64_t lines =
-        ntiles > 1 ? (next_end - g1) * K * kPanel * int64_t{sizeof(float)} / kLine : 0;
+        ntiles > 1 ? (next_end - g1) * panel * int64_t{sizeof(float)} / kLine : 0;
     const int64_t calls = (ntiles - 1) * (g1 - g0);  // the tiles that share them out
     int64_t call = 0;
-    for (int64_t t0 = 0; t0 < T; t0 += kRows)
+    for (int64_t t0 = 0; t0 < T; t0 += kRows) {
+      const TileFn fn = kTiles[std::min<int64_t>(kRows, T - t0)];
+      const float* xt = xp + t0 * xs;
       for (int64_t p = g0; p < g1; ++p) {
         const int64_t n0 = p * kPanel, ncols = std::min<int64_t>(kPanel, N - n0);
         int64_t b = 0, e = 0;
         if (t0 > 0 && lines > 0) b = lines * call / calls, e = lines * (call + 1) / calls, ++call;
-        kTiles[std::min<int64_t>(kRows, T - t0)](xp + t0 * xs, xs, K, wp + p * K * kPanel, bias,
-                                                 yp + t0 * N, N, n0, ncols, next + b * kLine,
-                                                 e - b);
+        if (up_off == 0) {
+          fn(xt, xs, K, wp + p * panel, bias, yp + t0 * N, N, n0, ncols, nullptr,
+             next + b * kLine, e - b);
+        } else {
+          fn(xt, xs, K, wp + p * panel, nullptr, gate, kPanel, 0, kPanel, nullptr,
+             next + b * kLine, e - b);
+          fn(xt, xs, K, wp + (p + up_off) * panel, nullptr, yp + t0 * N, N, n0, kPanel, gate,
+             next_up + b * kLine, e - b);
+        }
       }
+    }
+  }
+}
+
+}  // namespace
+
+void packed_panels(const at::Tensor& x, const at::Tensor& packed, const float* bias,
+                   at::Tensor& y, int64_t p0, int64_t p1) {
+  walk_panels(x.data_ptr<float>(), x.stride(0), x.size(0), x.size(1), packed.data_ptr<float>(),
+              bias, y.data_ptr<float>(), y.size(1), p0, p1, 0);
+}
+
+bool silu_fusable(const at::Tensor& packed, int64_t I) {
+  return packed.dim() == 3 && I % kPanel == 0 && packed.size(0) * kPanel == 2 * I;
+}
+
+void linear_packed_silu_into(const at::Tensor& x, const at::Tensor& packed, int64_t I,
+                             at::Tensor& act) {
+  TORCH_CHECK(silu_fusable(packed, I) && act.size(1) == I && act.stride(1) == 1 &&
+                  act.size(0) == x.size(0),
+              "linear_packed_silu: gate_up of 2 x ", I, " columns in whole panels into [T, ", I,
+              "]");
+  const int64_t P = I / kPanel;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* ap = act.data_ptr<float>();
+  const int nt = omp_in_parallel() ? 1 : at::get_num_threads();
+#pragma omp parallel num_threads(nt)
+  {
+    const auto [p0, p1] = thread_share(P, omp_get_thread_num(), omp_get_num_threads());
+    walk_panels(xp, x.stride(0), x.size(0), x.size(1), wp, nullptr, ap, act.stride(0), p0, p1,
+                P);
   }
 }
 
 void packed_panel_row(const float* x, int64_t K, const float* panel, float* out) {
-  tile<1>(x, K, K, panel, nullptr, out, kPanel, 0, kPanel, nullptr, 0);
+  tile<1>(x, K, K, panel, nullptr, out, kPanel, 0, kPanel, nullptr, nullptr, 0);
 }
 
 std::pair<int64_t, int64_t> thread_share(int64_t count, int tid, int num_threads) {
@@ -167,6 +223,13 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return y;
 }
 
+at::Tensor linear_packed_silu(const at::Tensor& x, const at::Tensor& packed, int64_t I) {
+  check_packed(x, packed, 2 * I, std::nullopt);
+  at::Tensor act = at::empty({x.size(0), I}, x.options());
+  linear_packed_silu_into(x, packed, I, act);
+  return act;
+}
+
 // Whether this build has AVX-512 (-march=native on the machine that built it). The tile keeps
 // 27 vectors of 16 floats live: 27 of AVX-512's 32 registers, but without AVX-512 each is two
 // 256-bit halves and most would spill, so the engine packs only where this is true (measured
@@ -183,10 +246,14 @@ bool packed_native() {
 
 TORCH_LIBRARY_FRAGMENT(raylora_cpu, m) {
   m.def("linear_packed(Tensor x, Tensor packed, int N, Tensor? bias) -> Tensor");
+  m.def("linear_packed_silu(Tensor x, Tensor packed, int intermediate) -> Tensor");
   m.def("packed_native() -> bool");
 }
 
-TORCH_LIBRARY_IMPL(raylora_cpu, CPU, m) { m.impl("linear_packed", &raylora::linear_packed); }
+TORCH_LIBRARY_IMPL(raylora_cpu, CPU, m) {
+  m.impl("linear_packed", &raylora::linear_packed);
+  m.impl("linear_packed_silu", &raylora::linear_packed_silu);
+}
 TORCH_LIBRARY_IMPL(raylora_cpu, CompositeExplicitAutograd, m) {
   m.impl("packed_native", &raylora::packed_native);
 }

@@ -29,6 +29,16 @@ void linear_packed_into(const at::Tensor& x, const at::Tensor& packed, const flo
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                          const std::optional<at::Tensor>& bias);
 
+// Whether linear_packed_silu_into takes this gate_up weight: 2 I columns, I a whole number
+// of panels (the up half starts on a panel).
+bool silu_fusable(const at::Tensor& packed, int64_t I);
+
+// act [T, I] = silu(x @ W[:I]^T) * (x @ W[I:]^T) for a gate_up weight packed whole
+// (silu_fusable), x [T, K] checked as for linear_packed: gate_up and silu-and-mul in one pass,
+// the same bits as linear_packed_into then silu_and_mul_into.
+void linear_packed_silu_into(const at::Tensor& x, const at::Tensor& packed, int64_t I,
+                             at::Tensor& act);
+
 // out[0..kPanel) = one row x [K] times one panel [K, kPanel]: the same sums, in the same order,
 // as every tile of packed_panels (so the same bits as linear_packed's for that row).
 void packed_panel_row(const float* x, int64_t K, const float* panel, float* out);

@@ -1,5 +1,6 @@
-// 16-lane float vectors (GCC vector extensions: AVX-512 registers under -march=native) and the
-// vectorised e^x that attention_cpu.cpp's softmax and layers_cpu.cpp's silu share.
+// 16-lane float vectors (GCC vector extensions: AVX-512 registers under -march=native), the
+// vectorised e^x that attention_cpu.cpp's softmax shares, and silu (elementwise_cpu.cpp's
+// silu-and-mul and packed_cpu.cpp's fused gate_up epilogue: the same bits in both).
 #pragma once
 
 #include <cstring>
@@ -48,6 +49,14 @@ inline v16 vexp(v16 x) {
   p = p * r * r + r + splat(1.f);
   const vi16 scale = (n + 127) << 23;
   return p * (v16)scale;
+}
+
+// silu(x) = x / (1 + e^-x), from e = e^-|x| (<= 1, vexp's range): x / (1 + e) for x >= 0,
+// x e / (1 + e) below. Within a few ulp of torch's F.silu.
+inline v16 vsilu(v16 x) {
+  const v16 zero = splat(0.f), one = splat(1.f);
+  const v16 e = vexp(x < zero ? x : -x);
+  return (x < zero ? x * e : x) / (one + e);
 }
 
 }  // namespace simd
