@@ -268,7 +268,7 @@ at::Tensor forward_layers(const at::Tensor& x_in, const at::Tensor& cos, const a
       n = R;
     }
     at::Tensor hn = h.narrow(0, 0, n), dn = delta.narrow(0, 0, n);
-    at::Tensor gun = fuse_silu ? gu : gu.narrow(0, 0, n), actn = act.narrow(0, 0, n);
+    at::Tensor actn = act.narrow(0, 0, n);
     linear(attn, w[2], l, 1, hidden, std::nullopt, dn);
     clock.lap(kLinears);
     add_rms_norm(xp, dn.data_ptr<float>(), w[3].data_ptr<float>(), fe, hn.data_ptr<float>(), n,
@@ -279,6 +279,7 @@ at::Tensor forward_layers(const at::Tensor& x_in, const at::Tensor& cos, const a
       linear_packed_silu_into(hn, w[4], I, actn);
       clock.lap(kLinears);
     } else {
+      at::Tensor gun = gu.narrow(0, 0, n);
       linear(hn, w[4], l, 2, 2 * I, std::nullopt, gun);
       clock.lap(kLinears);
       silu_and_mul_into(gun, I, actn);

@@ -168,6 +168,21 @@ void walk_panels(const float* xp, int64_t xs, int64_t T, int64_t K, const float*
   }
 }
 
+// walk_panels over P panels (the gate panels, fused), split between the OpenMP threads;
+// y [T, N] with contiguous rows
+void walk_threads(const at::Tensor& x, const at::Tensor& packed, const float* bias,
+                  at::Tensor& y, int64_t P, int64_t up_off) {
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int nt = omp_in_parallel() ? 1 : at::get_num_threads();
+#pragma omp parallel num_threads(nt)
+  {
+    const auto [p0, p1] = thread_share(P, omp_get_thread_num(), omp_get_num_threads());
+    walk_panels(xp, x.stride(0), x.size(0), x.size(1), wp, bias, yp, y.size(1), p0, p1, up_off);
+  }
+}
+
 }  // namespace
 
 void packed_panels(const at::Tensor& x, const at::Tensor& packed, const float* bias,
@@ -182,21 +197,11 @@ bool silu_fusable(const at::Tensor& packed, int64_t I) {
 
 void linear_packed_silu_into(const at::Tensor& x, const at::Tensor& packed, int64_t I,
                              at::Tensor& act) {
-  TORCH_CHECK(silu_fusable(packed, I) && act.size(1) == I && act.stride(1) == 1 &&
+  TORCH_CHECK(silu_fusable(packed, I) && act.size(1) == I && act.is_contiguous() &&
                   act.size(0) == x.size(0),
               "linear_packed_silu: gate_up of 2 x ", I, " columns in whole panels into [T, ", I,
               "]");
-  const int64_t P = I / kPanel;
-  const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  float* ap = act.data_ptr<float>();
-  const int nt = omp_in_parallel() ? 1 : at::get_num_threads();
-#pragma omp parallel num_threads(nt)
-  {
-    const auto [p0, p1] = thread_share(P, omp_get_thread_num(), omp_get_num_threads());
-    walk_panels(xp, x.stride(0), x.size(0), x.size(1), wp, nullptr, ap, act.stride(0), p0, p1,
-                P);
-  }
+  walk_threads(x, packed, nullptr, act, I / kPanel, I / kPanel);
 }
 
 void packed_panel_row(const float* x, int64_t K, const float* panel, float* out) {
@@ -211,13 +216,7 @@ std::pair<int64_t, int64_t> thread_share(int64_t count, int tid, int num_threads
 
 void linear_packed_into(const at::Tensor& x, const at::Tensor& packed, const float* bias,
                         at::Tensor& y) {
-  const int64_t P = packed.size(0);
-  const int nt = omp_in_parallel() ? 1 : at::get_num_threads();
-#pragma omp parallel num_threads(nt)
-  {
-    const auto [p0, p1] = thread_share(P, omp_get_thread_num(), omp_get_num_threads());
-    packed_panels(x, packed, bias, y, p0, p1);
-  }
+  walk_threads(x, packed, bias, y, packed.size(0), 0);
 }
 
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t N,
