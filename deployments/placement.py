@@ -13,6 +13,11 @@ rendezvous order, within `max_loras - reserve_slots` placed adapters per replica
 other slots are for the adapters that are not placed). The router grows an adapter onto
 its next home only when every home holding it is over the load bound, so k is a bound on
 its replicas, not a target.
+
+The adapters that are not hot stay where they were first sent, and which of them turn out
+popular is luck; `rebalance` moves one of them per plan off a replica whose estimated
+traffic is over `rebalance_over` times its fair share, to the least busy replica (a home
+of one replica, kept by later plans).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ DEFAULT_REPLICATION_HEADROOM = 1.5  # k = ceil(share * n * headroom)
 DEFAULT_MIN_REPLICAS = 2  # an adapter is placed when its k is at least this
 DEFAULT_MIN_PLACED_SHARE = 0.0005  # below 1 request in 2,000 an adapter is not worth a slot
 DEFAULT_BALANCE_SLACK = 1.25  # a new home's placed traffic, over the mean placed traffic
+DEFAULT_REBALANCE_OVER = 1.3  # a replica's estimated adapter traffic over 1/n: move one off
+DEFAULT_MAX_MOVES = 1  # adapters moved per plan (each move is one cold read)
 
 Placement = Mapping[str, tuple[str, ...]]  # adapter -> its replicas, in preference order
 
@@ -88,6 +95,8 @@ class PlacementConfig:
     # an early share is noise: 3 requests out of 32 would give k = 3 of 16 replicas; 16
     # counted requests put a share's relative error near 1/4 (Poisson)
     min_count: float = DEFAULT_MIN_PLACED_COUNT
+    rebalance_over: float = DEFAULT_REBALANCE_OVER
+    max_moves: int = DEFAULT_MAX_MOVES
 
     def placed_per_replica(self) -> int:
         reserve = max(1, self.max_loras // 4) if self.reserve_slots is None else self.reserve_slots
@@ -100,13 +109,15 @@ def plan_placement(
     cfg: PlacementConfig,
     holders: Mapping[str, Sequence[str]] | None = None,
     counts: Mapping[str, float] | None = None,
+    prev: Placement | None = None,
 ) -> dict[str, tuple[str, ...]]:
     """Place the hot adapters (see the module docstring); returns adapter -> its home, the
     replicas holding it first, each group in the adapter's rendezvous order. Deterministic in
     (shares, replica set, holders): routers that see the same agree.
 
     holders: adapter -> replicas holding it now (slot or CPU cache); counts: adapter -> its
-    requests counted (None: no minimum, cfg.min_count does not apply)."""
+    requests counted (None: no minimum, cfg.min_count does not apply); prev: the last
+    placement (its single homes, `rebalance`, are kept while their adapter is not hot)."""
     n = len(replica_ids)
     per_replica = cfg.placed_per_replica()
     if n == 0 or per_replica == 0:
@@ -124,14 +135,24 @@ def plan_placement(
         budget -= k
     placed = {a for a, _, _ in chosen}
     held = holders or {}
-    # estimated traffic per replica: the adapters not placed where they are held, then the
-    # placed ones' parts as they are placed
+    # estimated traffic per replica: the adapters not placed where they are held (or at
+    # their single home), then the placed ones' parts as they are placed
     load = dict.fromkeys(replica_ids, 0.0)
+    single = {  # earlier plans' moves, while the adapter is counted and not hot
+        a: h[0]
+        for a, h in (prev or {}).items()
+        if len(h) == 1 and h[0] in load and a in shares and a not in placed
+    }
     for adapter, share in shares.items():
-        where = [r for r in held.get(adapter, ()) if r in load]
-        if adapter not in placed:
-            for rid in where:
-                load[rid] += share / len(where)
+        if adapter in placed:
+            continue
+        where = (
+            [single[adapter]]
+            if adapter in single
+            else [r for r in held.get(adapter, ()) if r in load]
+        )
+        for rid in where:
+            load[rid] += share / len(where)
     cap = cfg.balance_slack * sum(share for _, share, _ in chosen) / n
     num_placed = dict.fromkeys(replica_ids, 0)
     placement: dict[str, tuple[str, ...]] = {}
@@ -158,7 +179,56 @@ def plan_placement(
             [r for r in order if r in picks and r in here]
             + [r for r in order if r in picks and r not in here]
         )
+    trusted = (
+        (lambda a: True) if counts is None else (lambda a: counts.get(a, 0.0) >= cfg.min_count)
+    )
+    singles = rebalance(shares, load, single, held, placed, trusted, cfg)
+    placement.update((a, (rid,)) for a, rid in singles.items())
     return placement
+
+
+def rebalance(
+    shares: Mapping[str, float],
+    load: dict[str, float],
+    single: Mapping[str, str],
+    held: Mapping[str, Sequence[str]],
+    placed: set[str],
+    trusted: Callable[[str], bool],
+    cfg: PlacementConfig,
+) -> dict[str, str]:
+    """Single homes for adapters that are not hot: adapter -> the one replica it goes to.
+
+    An adapter that is not placed stays where it was first sent (`new_home` deals them by
+    count, as Ray does), and which ones turn out popular is luck: three of the 10 most
+    requested can share one replica (the sweep's point 10: that replica served 1.45x the
+    mean). When the estimated traffic `load` (updated in place) of the busiest replica is
+    over `rebalance_over` / n (n replicas; shares count base requests too, so 1/n is a
+    replica's fair share of everything), one adapter whose traffic it carries alone moves to
+    the least busy replica: the one whose share best evens the two, if that lowers the
+    busier of them. At most `max_moves` per plan: each costs one cold read and a slot load.
+    The moves of earlier plans (`single`) stay."""
+    homes = dict(single)
+    n = len(load)
+    for _ in range(cfg.max_moves):
+        r = max(load, key=lambda x: (load[x], x))
+        m = min(load, key=lambda x: (load[x], x))
+        if load[r] <= cfg.rebalance_over / n:
+            break
+        mine = [
+            (shares[a], a)
+            for a in shares
+            if a not in placed
+            and trusted(a)
+            and (homes.get(a) == r or (a not in homes and list(held.get(a, ())) == [r]))
+        ]
+        best = min(mine, key=lambda x: (max(load[r] - x[0], load[m] + x[0]), x[1]), default=None)
+        if best is None or load[m] + best[0] >= load[r]:
+            break
+        share, adapter = best
+        homes[adapter] = m
+        load[r] -= share
+        load[m] += share
+    return homes
 
 
 class PlacementPlanner:
@@ -202,6 +272,8 @@ class PlacementPlanner:
         if ids != self._replica_ids or n - self._planned_at >= interval:
             held = holders() if holders is not None else {}
             pop = self.popularity
-            self._placement = plan_placement(pop.shares(), ids, self.cfg, held, pop.counts)
+            self._placement = plan_placement(
+                pop.shares(), ids, self.cfg, held, pop.counts, self._placement
+            )
             self._replica_ids, self._planned_at = ids, n
         return self._placement

@@ -30,7 +30,9 @@ Placement (deployments/placement.py): the router counts the requests it routes
 traffic, its current holders first, within the slots the replicas have (`max_loras`: the
 kwarg, else what the replicas report as `routing_stats["max_loras"]`; with neither, no
 placement: every adapter stays on its holders). A placed adapter grows onto its next home
-only when every home holding it is over the load bound.
+only when every home holding it is over the load bound. Each plan also moves at most
+`max_moves` adapters that are not hot off the replica whose estimated traffic is over
+`rebalance_over` / n, to the least busy one (placement.rebalance; max_moves 0: never).
 
 Configure through `request_router_config.request_router_kwargs`, which Ray passes to
 `initialize_state`:
@@ -38,7 +40,7 @@ Configure through `request_router_config.request_router_kwargs`, which Ray passe
     registry_refresh_s (2.0), registry_max_age_s (30.0),
     use_registry (True), seed (None), max_loras (None), use_placement (True),
     popularity_half_life (20000), replan_every (1000), first_replan (32),
-    min_placed_count (16).
+    min_placed_count (16), rebalance_over (1.3), max_moves (1).
 """
 
 from __future__ import annotations
@@ -57,7 +59,9 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from deployments.placement import (
     DEFAULT_FIRST_REPLAN,
     DEFAULT_HALF_LIFE,
+    DEFAULT_MAX_MOVES,
     DEFAULT_MIN_PLACED_COUNT,
+    DEFAULT_REBALANCE_OVER,
     DEFAULT_REPLAN_EVERY,
     AdapterPopularity,
     PlacementConfig,
@@ -123,6 +127,8 @@ class AdapterAffinityRouter(RequestRouter):
         replan_every: int = DEFAULT_REPLAN_EVERY,
         first_replan: int = DEFAULT_FIRST_REPLAN,
         min_placed_count: float = DEFAULT_MIN_PLACED_COUNT,
+        rebalance_over: float = DEFAULT_REBALANCE_OVER,
+        max_moves: int = DEFAULT_MAX_MOVES,
     ) -> None:
         if load_bound_c < 1.0:
             raise ValueError(f"load_bound_c must be >= 1, got {load_bound_c}")
@@ -139,6 +145,8 @@ class AdapterAffinityRouter(RequestRouter):
         self._replan_every = int(replan_every)
         self._first_replan = int(first_replan)
         self._min_placed_count = float(min_placed_count)
+        self._rebalance_over = float(rebalance_over)
+        self._max_moves = int(max_moves)
         # what the placement counts: every routed request, from the first one; the planner
         # is made when the slot count is known (the kwarg, or the replicas' routing stats)
         self._popularity = AdapterPopularity(self._half_life)
@@ -212,7 +220,12 @@ class AdapterAffinityRouter(RequestRouter):
     # -- placement ----------------------------------------------------------------------
 
     def _new_planner(self, max_loras: int) -> PlacementPlanner:
-        cfg = PlacementConfig(max_loras=max_loras, min_count=self._min_placed_count)
+        cfg = PlacementConfig(
+            max_loras=max_loras,
+            min_count=self._min_placed_count,
+            rebalance_over=self._rebalance_over,
+            max_moves=self._max_moves,
+        )
         return PlacementPlanner(
             cfg,
             replan_every=self._replan_every,

@@ -1,0 +1,192 @@
+"""deployments/placement.py: popularity counts, the hot adapters' homes, and the moves that
+even out the adapters that are not hot (`rebalance`), against hand-worked cases and
+brute-force properties."""
+
+import random
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deployments.routing_policy import ReplicaView, rank_replicas, rendezvous_order
+
+
+def test_popularity_decays_by_half_each_half_life():
+    from deployments.placement import AdapterPopularity
+
+    pop = AdapterPopularity(half_life=4)
+    for a in ("x", "x", "", "y"):  # the 4th record halves everything
+        pop.record(a)
+    assert pop.count("x") == 1.0 and pop.count("y") == 0.5 and pop.total == 2.0
+    assert pop.shares() == {"x": 0.5, "y": 0.25}
+    for a in ("x", "x", "x", "x"):
+        pop.record(a)
+    assert pop.count("x") == (1 + 4) / 2 and pop.count("y") == 0.25
+    for _ in range(8):  # two more half-lives: 0.25 -> 0.125, then under 0.25 it is dropped
+        pop.record("x")
+    assert "y" not in pop.counts and pop.total == ((3 + 4) / 2 + 4) / 2
+
+
+def test_replication_factor_by_hand():
+    from deployments.placement import replication_factor
+
+    assert replication_factor(0.16, 16, 1.25) == 4  # 0.16 x 16 x 1.25 = 3.2
+    assert replication_factor(0.05, 16, 1.25) == 1  # exactly 1.0
+    assert replication_factor(0.001, 16, 1.25) == 1
+    assert replication_factor(0.9, 4, 2.0) == 4  # never more than the fleet
+
+
+def test_placement_by_hand():
+    """4 replicas x 4 slots, headroom 1.5: 'a' (40% of traffic) gets ceil(0.4 x 4 x 1.5) = 3
+    homes; 'b' (10%: k = 1) is not placed, nor anything after it. Without holders the homes
+    are the first three of a's own order; a replica holding 'a' comes first."""
+    from deployments.placement import PlacementConfig, plan_placement
+
+    ids = ["r0", "r1", "r2", "r3"]
+    shares = {"a": 0.4, "b": 0.1, "c": 0.05, "d": 0.0001}
+    cfg = PlacementConfig(max_loras=4)
+    assert plan_placement(shares, ids, cfg) == {"a": tuple(rendezvous_order("a", ids)[:3])}
+    last = rendezvous_order("a", ids)[3]
+    homes = plan_placement(shares, ids, cfg, holders={"a": [last]})["a"]
+    assert homes == (last, *rendezvous_order("a", ids)[:2])
+
+
+def test_an_adapter_with_few_requests_counted_is_not_placed():
+    """A share from a handful of requests is noise: below min_count requests an adapter is
+    not placed, whatever its share; the planner replans at 32, 64, 128, ... requests, then
+    every replan_every."""
+    from deployments.placement import PlacementConfig, PlacementPlanner, plan_placement
+
+    ids = ["r0", "r1", "r2", "r3"]
+    cfg = PlacementConfig(max_loras=4, min_count=16)
+    shares = {"a": 0.4, "b": 0.3}  # both k >= 2
+    assert set(plan_placement(shares, ids, cfg, counts={"a": 16, "b": 12})) == {"a"}
+    assert plan_placement(shares, ids, cfg, counts={"a": 15, "b": 12}) == {}
+    planner = PlacementPlanner(cfg, replan_every=200)
+    planned = []
+    for i in range(700):
+        before = planner._planned_at
+        planner.placement(ids)
+        if planner._planned_at != before:
+            planned.append(i)
+        planner.record("a" if i % 2 else "")
+    assert planned == [0, 32, 64, 128, 256, 456, 656]
+    assert set(planner.placement(ids)) == {"a"}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    weights=st.lists(st.floats(0.001, 1.0), min_size=1, max_size=60),
+    n=st.integers(1, 12),
+    max_loras=st.integers(1, 8),
+    held=st.lists(st.integers(0, 11), max_size=30),
+)
+def test_placement_respects_slots_holders_and_popularity(weights, n, max_loras, held):
+    from deployments.placement import PlacementConfig, plan_placement, replication_factor
+
+    total = sum(weights) / 0.9  # 10% base
+    shares = {f"ad-{i}": w / total for i, w in enumerate(weights)}
+    ids = [f"r{i}" for i in range(n)]
+    holders: dict[str, list[str]] = {}
+    for j, r in enumerate(held):  # adapter j % len holds on replica r % n
+        holders.setdefault(f"ad-{j % len(weights)}", []).append(f"r{r % n}")
+    cfg = PlacementConfig(max_loras=max_loras)
+    everything = plan_placement(shares, ids, cfg, holders)
+    plc = {a: h for a, h in everything.items() if len(h) >= cfg.min_replicas}  # the hot ones
+    singles = {a: h[0] for a, h in everything.items() if len(h) < cfg.min_replicas}
+    check_moves(shares, ids, cfg, holders, plc, singles)
+    per_replica = Counter(r for homes in plc.values() for r in homes)
+    assert all(v <= cfg.placed_per_replica() for v in per_replica.values())
+    for a, homes in plc.items():
+        k = replication_factor(shares[a], n, cfg.headroom)
+        # k homes, fewer only where the placed slots left are on fewer replicas
+        assert cfg.min_replicas <= len(homes) <= k and len(set(homes)) == len(homes)
+        if len(homes) < k:
+            assert (
+                sum(v < cfg.placed_per_replica() for v in per_replica.values())
+                + (n - len(per_replica))
+                < k
+            )
+        order = rendezvous_order(a, ids)
+        here = [r for r in homes if r in holders.get(a, ())]
+        assert list(homes[: len(here)]) == [r for r in order if r in here]  # holders first
+        assert list(homes[len(here) :]) == [r for r in order if r in homes[len(here) :]]
+        # a holder is left out only when the placed slots ran out on it
+        for r in set(holders.get(a, ())) - set(homes):
+            assert per_replica[r] == cfg.placed_per_replica() or len(here) == k
+    # placed adapters are the most popular ones (a prefix of the popularity order)
+    ranked = sorted(shares, key=lambda a: (-shares[a], a))
+    assert ranked[: len(plc)] == sorted(plc, key=lambda a: (-shares[a], a))
+
+
+def estimated_traffic(
+    shares: dict[str, float],
+    ids: list[str],
+    holders: dict[str, list[str]],
+    hot: dict[str, tuple[str, ...]],
+    singles: dict[str, str],
+) -> dict[str, float]:
+    """Reference: each replica's share of the traffic if the hot adapters' traffic splits
+    evenly over their homes, a moved adapter's goes to its single home, and every other
+    adapter's splits over its holders."""
+    out = dict.fromkeys(ids, 0.0)
+    for a, share in shares.items():
+        where = list(hot.get(a, ())) or ([singles[a]] if a in singles else holders.get(a, []))
+        for r in where:
+            out[r] += share / len(where)
+    return out
+
+
+def check_moves(shares, ids, cfg, holders, hot, singles) -> None:
+    """The moves of one plan (no earlier ones): at most max_moves, each of an adapter that
+    is not hot, held by one replica alone, to another replica; the busiest replica's
+    estimated traffic must have been over rebalance_over / n, and no replica ends busier
+    than the busiest was."""
+    assert len(singles) <= cfg.max_moves
+    before = estimated_traffic(shares, ids, holders, hot, {})
+    after = estimated_traffic(shares, ids, holders, hot, singles)
+    for a, home in singles.items():
+        assert a not in hot and holders.get(a) == [holders[a][0]] and home != holders[a][0]
+        assert max(before.values()) > cfg.rebalance_over / len(ids)
+        assert before[holders[a][0]] == max(before.values())
+    assert max(after.values()) <= max(before.values()) + 1e-12
+    assert abs(sum(after.values()) - sum(before.values())) < 1e-9
+
+
+def test_rebalance_moves_the_adapter_that_best_evens_the_busiest_replica():
+    """4 replicas, nothing hot (k = ceil(share x 4 x 1.5) = 1 for shares <= 1/6). r0 holds
+    b, c, d (0.16 + 0.12 + 0.08 = 0.36 of all traffic, over 1.3 / 4 = 0.325); r3, the least
+    busy (0.02), takes the one that best evens the two: b (max(0.20, 0.18) = 0.20, against
+    0.24 for c and 0.28 for d). The router then sends b to r3 although r0 has it in a slot.
+    The next plan keeps the move (r0 now holds b too) and moves nothing more (r0: 0.20)."""
+    from deployments.placement import PlacementConfig, plan_placement
+
+    ids = ["r0", "r1", "r2", "r3"]
+    shares = {"b": 0.16, "c": 0.12, "d": 0.08, "e": 0.05, "f": 0.05, "g": 0.02}
+    holders = {"b": ["r0"], "c": ["r0"], "d": ["r0"], "e": ["r1"], "f": ["r2"], "g": ["r3"]}
+    cfg = PlacementConfig(max_loras=4)
+    plc = plan_placement(shares, ids, cfg, holders)
+    assert plc == {"b": ("r3",)}
+    views = [ReplicaView(r, 0, frozenset(), frozenset()) for r in ids]
+    views[0] = ReplicaView("r0", 0, frozenset({"b"}), frozenset({"b", "c", "d"}))
+    tiers = rank_replicas("b", views, rng=random.Random(0), home=plc["b"])
+    assert [r.replica_id for r in tiers[0]] == ["r3"]
+    holders["b"] = ["r0", "r3"]
+    assert plan_placement(shares, ids, cfg, holders, prev=plc) == {"b": ("r3",)}
+    assert plan_placement(shares, ids, cfg, holders) == {}  # without it b counts half at r0
+    # no move under the threshold, none without enough requests counted, none when off
+    calm = {**shares, "b": 0.10}
+    assert plan_placement(calm, ids, cfg, {**holders, "b": ["r0"]}) == {}
+    counts = {a: 15.0 for a in shares}
+    assert plan_placement(shares, ids, PlacementConfig(4, min_count=16), holders, counts) == {}
+    assert plan_placement(shares, ids, PlacementConfig(4, max_moves=0), holders) == {}
+
+
+def test_a_moved_adapter_that_turns_hot_is_placed_with_its_holders_first():
+    """A single home is dropped once the adapter is hot: it gets k homes, holders first."""
+    from deployments.placement import PlacementConfig, plan_placement
+
+    ids = ["r0", "r1", "r2", "r3"]
+    cfg = PlacementConfig(max_loras=4)
+    plc = plan_placement({"b": 0.4}, ids, cfg, {"b": ["r3", "r0"]}, prev={"b": ("r3",)})
+    assert len(plc["b"]) == 3 and set(plc["b"][:2]) == {"r0", "r3"}
