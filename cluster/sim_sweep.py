@@ -162,7 +162,7 @@ def format_runs(runs: list[Run]) -> str:
         f"{'pt':>3}{'seed':>5}{'zipf':>6}{'n':>4}{'slots':>6}{'adapters':>9}{'base':>6}"
         f"{'util':>6}  {'floor':>6}{'aff':>7}{'mux':>7}{'aff/fl':>7}{'mux/fl':>7}  "
         f"{'cfloor':>6}{'aff':>6}{'mux':>6}  {'slot':>6}{'cold':>6}{'p99':>6}{'max/mean':>9}"
-        "  verdict (* = no system can meet it here)"
+        f"{'mux m/m':>8}  verdict (* = no system can meet it here)"
     )
     rows = [head, "-" * len(head)]
     for run in runs:
@@ -181,7 +181,8 @@ def format_runs(runs: list[Run]) -> str:
             f"{a.slot_loads_per_1k:>7.1f}{p.slot_loads_per_1k:>7.1f}"
             f"{_vs_floor(a.slot_loads_per_1k, run.floor)}{_vs_floor(p.slot_loads_per_1k, run.floor)}"
             f"  {run.cold_floor:>6.1f}{a.cold_loads_per_1k:>6.1f}{p.cold_loads_per_1k:>6.1f}  "
-            f"{r['slot']:>6.2f}{r['cold']:>6.2f}{r['p99']:>6.2f}{r['max_mean']:>9.2f}  {verdict}"
+            f"{r['slot']:>6.2f}{r['cold']:>6.2f}{r['p99']:>6.2f}{r['max_mean']:>9.2f}"
+            f"{p.served_max_over_mean:>8.2f}  {verdict}"
         )
     return "\n".join(rows)
 
@@ -208,6 +209,14 @@ def summary(runs: list[Run]) -> str:
         + ", ".join(f"{k} {_range([r.ratios()[k] for r in judged])}" for k in TARGETS),
         f"overloaded (not judged): {over or 'none'}",
     ]
+    cold = [r for r in judged if "cold" in r.misses()]
+    if cold:
+        unbalanced = [r for r in cold if r.results[PEER].served_max_over_mean > TARGETS["max_mean"]]
+        lines.append(
+            f"cold reads missed in {len(cold)} runs; in {len(unbalanced)} of them the peer's own "
+            f"served max/mean is over {TARGETS['max_mean']} "
+            f"({_range([r.results[PEER].served_max_over_mean for r in cold])})"
+        )
     for ours, theirs in SAME_ENGINE:
         both = [r for r in judged if ours in r.results and theirs in r.results]
         if both:
