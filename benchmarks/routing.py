@@ -22,6 +22,8 @@ reads adapters in a worker thread; vLLM's is LRU and reads inside the step):
                      else among all), on vLLM's adapter-cache behaviour
   ray_multiplex_raylora_engine
                      the same router on raylora's engine: the router-only comparison
+  affinity_no_moves  affinity with the moves of the adapters that are not hot turned off
+                     (max_moves 0, deployments/placement.py `rebalance`): what they change
   pow2_no_multiplex  Ray's default router with no ids reported: 2 random replicas (a deployment
                      without `@serve.multiplexed`; not what Ray Serve LLM runs)
 Requests go to the LLMServer deployment through a DeploymentHandle with the adapter as the
@@ -151,7 +153,16 @@ POLICIES: dict[str, tuple[str, bool, str]] = {
     "ray_multiplex": ("pow2", True, "vllm"),
     "ray_multiplex_raylora_engine": ("pow2", True, "raylora"),
     "pow2_no_multiplex": ("pow2", False, "vllm"),
+    "affinity_no_moves": ("affinity", True, "raylora"),
 }
+DEFAULT_POLICIES = (
+    "affinity",
+    "ray_multiplex",
+    "ray_multiplex_raylora_engine",
+    "pow2_no_multiplex",
+)
+# policy -> router kwargs it sets (over --router-kwargs)
+POLICY_ROUTER_KWARGS: dict[str, dict] = {"affinity_no_moves": {"max_moves": 0}}
 PEER = "ray_multiplex"
 # engine -> LLMServer kwargs: raylora's (slots and CPU cache keep what this replica is asked
 # for most, the read in a worker thread) or vLLM's (LRU, the read inside the step)
@@ -192,6 +203,7 @@ def build_llm_app(policy: str, args, model: str, adapters: dict[str, str]):
         if args.load_bound_c is not None:
             kwargs["load_bound_c"] = args.load_bound_c
         kwargs.update(json.loads(args.router_kwargs))
+        kwargs.update(POLICY_ROUTER_KWARGS.get(policy, {}))
         options["request_router_config"] = RequestRouterConfig(
             request_router_class="deployments.router:AdapterAffinityRouter",
             request_router_kwargs=kwargs,
@@ -314,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         default="{}",
         help="affinity's other router kwargs, JSON: '{\"replan_every\": 500}'",
     )
-    p.add_argument("--policies", default=",".join(POLICIES), help=", ".join(POLICIES))
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help=", ".join(POLICIES))
     p.add_argument("--runs", type=int, default=1, help="runs of every policy, order alternating")
     p.add_argument("--p99-tolerance", type=float, default=0.1, help="p99 'no worse' within this")
     p.add_argument("--workdir", type=Path, default=Path.home() / ".cache/raylora/bench-routing")
@@ -405,6 +417,14 @@ def main(argv: list[str] | None = None) -> int:
             f"affinity against {same} (router only, same engine; not judged): slot loads "
             f"{a['activations'] / max(1, m['activations']):.2f}x, disk loads "
             f"{a['disk'] / max(1, m['disk']):.2f}x, p99 {a['p99_ms'] / m['p99_ms']:.2f}x"
+        )
+    if "affinity" in rows and "affinity_no_moves" in rows:
+        a, m = rows["affinity"], rows["affinity_no_moves"]
+        print(
+            f"affinity against affinity_no_moves (what the moves change; not judged): slot "
+            f"loads {a['activations'] / max(1, m['activations']):.2f}x, disk loads "
+            f"{a['disk'] / max(1, m['disk']):.2f}x, p50 {a['p50_ms'] / m['p50_ms']:.2f}x, "
+            f"p99 {a['p99_ms'] / m['p99_ms']:.2f}x"
         )
     if "affinity" in rows and "pow2_no_multiplex" in rows:
         ratio = rows["pow2_no_multiplex"]["loads"] / max(1, rows["affinity"]["loads"])

@@ -32,7 +32,8 @@ kwarg, else what the replicas report as `routing_stats["max_loras"]`; with neith
 placement: every adapter stays on its holders). A placed adapter grows onto its next home
 only when every home holding it is over the load bound. Each plan also moves at most
 `max_moves` adapters that are not hot off the replica whose estimated traffic is over
-`rebalance_over` / n, to the least busy one (placement.rebalance; max_moves 0: never).
+`rebalance_over` / n, to the least busy one (placement.rebalance; max_moves 0, the
+default: never; see docs/routing.md for what 1 did in the simulator and on a real app).
 
 Configure through `request_router_config.request_router_kwargs`, which Ray passes to
 `initialize_state`:
@@ -40,7 +41,7 @@ Configure through `request_router_config.request_router_kwargs`, which Ray passe
     registry_refresh_s (2.0), registry_max_age_s (30.0),
     use_registry (True), seed (None), max_loras (None), use_placement (True),
     popularity_half_life (20000), replan_every (1000), first_replan (32),
-    min_placed_count (16), rebalance_over (1.3), max_moves (1).
+    min_placed_count (16), rebalance_over (1.3), max_moves (0).
 """
 
 from __future__ import annotations

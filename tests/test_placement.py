@@ -90,7 +90,7 @@ def test_placement_respects_slots_holders_and_popularity(weights, n, max_loras, 
     holders: dict[str, list[str]] = {}
     for j, r in enumerate(held):  # adapter j % len holds on replica r % n
         holders.setdefault(f"ad-{j % len(weights)}", []).append(f"r{r % n}")
-    cfg = PlacementConfig(max_loras=max_loras)
+    cfg = PlacementConfig(max_loras=max_loras, max_moves=1)
     everything = plan_placement(shares, ids, cfg, holders)
     plc = {a: h for a, h in everything.items() if len(h) >= cfg.min_replicas}  # the hot ones
     singles = {a: h[0] for a, h in everything.items() if len(h) < cfg.min_replicas}
@@ -154,7 +154,7 @@ def check_moves(shares, ids, cfg, holders, hot, singles) -> None:
 
 
 def test_rebalance_moves_the_adapter_that_best_evens_the_busiest_replica():
-    """4 replicas, nothing hot (k = ceil(share x 4 x 1.5) = 1 for shares <= 1/6). r0 holds
+    """Moves are off by default (max_moves 0); with max_moves 1: 4 replicas, nothing hot (k = ceil(share x 4 x 1.5) = 1 for shares <= 1/6). r0 holds
     b, c, d (0.16 + 0.12 + 0.08 = 0.36 of all traffic, over 1.3 / 4 = 0.325); r3, the least
     busy (0.02), takes the one that best evens the two: b (max(0.20, 0.18) = 0.20, against
     0.24 for c and 0.28 for d). The router then sends b to r3 although r0 has it in a slot.
@@ -164,7 +164,8 @@ def test_rebalance_moves_the_adapter_that_best_evens_the_busiest_replica():
     ids = ["r0", "r1", "r2", "r3"]
     shares = {"b": 0.16, "c": 0.12, "d": 0.08, "e": 0.05, "f": 0.05, "g": 0.02}
     holders = {"b": ["r0"], "c": ["r0"], "d": ["r0"], "e": ["r1"], "f": ["r2"], "g": ["r3"]}
-    cfg = PlacementConfig(max_loras=4)
+    assert plan_placement(shares, ids, PlacementConfig(max_loras=4), holders) == {}  # the default
+    cfg = PlacementConfig(max_loras=4, max_moves=1)
     plc = plan_placement(shares, ids, cfg, holders)
     assert plc == {"b": ("r3",)}
     views = [ReplicaView(r, 0, frozenset(), frozenset()) for r in ids]
@@ -178,8 +179,8 @@ def test_rebalance_moves_the_adapter_that_best_evens_the_busiest_replica():
     calm = {**shares, "b": 0.10}
     assert plan_placement(calm, ids, cfg, {**holders, "b": ["r0"]}) == {}
     counts = {a: 15.0 for a in shares}
-    assert plan_placement(shares, ids, PlacementConfig(4, min_count=16), holders, counts) == {}
-    assert plan_placement(shares, ids, PlacementConfig(4, max_moves=0), holders) == {}
+    few = PlacementConfig(4, min_count=16, max_moves=1)
+    assert plan_placement(shares, ids, few, holders, counts) == {}
 
 
 def test_a_moved_adapter_that_turns_hot_is_placed_with_its_holders_first():
@@ -187,6 +188,6 @@ def test_a_moved_adapter_that_turns_hot_is_placed_with_its_holders_first():
     from deployments.placement import PlacementConfig, plan_placement
 
     ids = ["r0", "r1", "r2", "r3"]
-    cfg = PlacementConfig(max_loras=4)
+    cfg = PlacementConfig(max_loras=4, max_moves=1)
     plc = plan_placement({"b": 0.4}, ids, cfg, {"b": ["r3", "r0"]}, prev={"b": ("r3",)})
     assert len(plc["b"]) == 3 and set(plc["b"][:2]) == {"r0", "r3"}
