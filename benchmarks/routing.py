@@ -22,8 +22,8 @@ reads adapters in a worker thread; vLLM's is LRU and reads inside the step):
                      else among all), on vLLM's adapter-cache behaviour
   ray_multiplex_raylora_engine
                      the same router on raylora's engine: the router-only comparison
-  affinity_no_moves  affinity with the moves of the adapters that are not hot turned off
-                     (max_moves 0, deployments/placement.py `rebalance`): what they change
+  affinity_moves     affinity with the moves of the adapters that are not hot turned on
+                     (max_moves 1, deployments/placement.py `rebalance`; off as it ships)
   pow2_no_multiplex  Ray's default router with no ids reported: 2 random replicas (a deployment
                      without `@serve.multiplexed`; not what Ray Serve LLM runs)
 Requests go to the LLMServer deployment through a DeploymentHandle with the adapter as the
@@ -153,7 +153,7 @@ POLICIES: dict[str, tuple[str, bool, str]] = {
     "ray_multiplex": ("pow2", True, "vllm"),
     "ray_multiplex_raylora_engine": ("pow2", True, "raylora"),
     "pow2_no_multiplex": ("pow2", False, "vllm"),
-    "affinity_no_moves": ("affinity", True, "raylora"),
+    "affinity_moves": ("affinity", True, "raylora"),
 }
 DEFAULT_POLICIES = (
     "affinity",
@@ -162,7 +162,7 @@ DEFAULT_POLICIES = (
     "pow2_no_multiplex",
 )
 # policy -> router kwargs it sets (over --router-kwargs)
-POLICY_ROUTER_KWARGS: dict[str, dict] = {"affinity_no_moves": {"max_moves": 0}}
+POLICY_ROUTER_KWARGS: dict[str, dict] = {"affinity_moves": {"max_moves": 1}}
 PEER = "ray_multiplex"
 # engine -> LLMServer kwargs: raylora's (slots and CPU cache keep what this replica is asked
 # for most, the read in a worker thread) or vLLM's (LRU, the read inside the step)
@@ -418,10 +418,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{a['activations'] / max(1, m['activations']):.2f}x, disk loads "
             f"{a['disk'] / max(1, m['disk']):.2f}x, p99 {a['p99_ms'] / m['p99_ms']:.2f}x"
         )
-    if "affinity" in rows and "affinity_no_moves" in rows:
-        a, m = rows["affinity"], rows["affinity_no_moves"]
+    if "affinity" in rows and "affinity_moves" in rows:
+        a, m = rows["affinity_moves"], rows["affinity"]
         print(
-            f"affinity against affinity_no_moves (what the moves change; not judged): slot "
+            f"affinity_moves against affinity (what the moves change; not judged): slot "
             f"loads {a['activations'] / max(1, m['activations']):.2f}x, disk loads "
             f"{a['disk'] / max(1, m['disk']):.2f}x, p50 {a['p50_ms'] / m['p50_ms']:.2f}x, "
             f"p99 {a['p99_ms'] / m['p99_ms']:.2f}x"
