@@ -38,9 +38,10 @@ DEFAULT_MIN_PLACED_SHARE = 0.0005  # below 1 request in 2,000 an adapter is not 
 DEFAULT_BALANCE_SLACK = 1.25  # a new home's placed traffic, over the mean placed traffic
 DEFAULT_REBALANCE_OVER = 1.3  # a replica's estimated adapter traffic over 1/n: move one off
 # adapters moved per plan (each move is one cold read). Off by default: in the simulator one
-# move a plan evens the served load (sweep max/mean misses 7 -> 2) for a few cold reads, but
-# on the real 4-replica Serve app (benchmarks/routing.py --adapters 40, arm affinity_moves)
-# it made p99 1.3x and the mean 1.1x what the same router without moves gave (docs/routing.md)
+# move a plan evens the served load (sweep max/mean misses 7 -> 2) but adds cold reads (cold
+# misses 8 -> 13), and on the real 4-replica Serve app (benchmarks/routing.py --adapters 40,
+# arm affinity_moves) it read 1.05x the adapters from disk while its effect on p99 was
+# within the noise (1.31x, then 0.89x the router without moves; docs/routing.md)
 DEFAULT_MAX_MOVES = 0
 
 Placement = Mapping[str, tuple[str, ...]]  # adapter -> its replicas, in preference order
