@@ -155,14 +155,10 @@ POLICIES: dict[str, tuple[str, bool, str]] = {
     "pow2_no_multiplex": ("pow2", False, "vllm"),
     "affinity_moves": ("affinity", True, "raylora"),
 }
-DEFAULT_POLICIES = (
-    "affinity",
-    "ray_multiplex",
-    "ray_multiplex_raylora_engine",
-    "pow2_no_multiplex",
-)
 # policy -> router kwargs it sets (over --router-kwargs)
 POLICY_ROUTER_KWARGS: dict[str, dict] = {"affinity_moves": {"max_moves": 1}}
+# the arms run by default: the router as it ships and Ray's, not the option variants
+DEFAULT_POLICIES = tuple(p for p in POLICIES if p not in POLICY_ROUTER_KWARGS)
 PEER = "ray_multiplex"
 # engine -> LLMServer kwargs: raylora's (slots and CPU cache keep what this replica is asked
 # for most, the read in a worker thread) or vLLM's (LRU, the read inside the step)

@@ -15,9 +15,10 @@ its next home only when every home holding it is over the load bound, so k is a 
 its replicas, not a target.
 
 The adapters that are not hot stay where they were first sent, and which of them turn out
-popular is luck; `rebalance` moves one of them per plan off a replica whose estimated
-traffic is over `rebalance_over` times its fair share, to the least busy replica (a home
-of one replica, kept by later plans).
+popular is luck; with `max_moves` > 0 (off by default, see DEFAULT_MAX_MOVES) `rebalance`
+moves up to that many a plan off a replica whose estimated traffic is over
+`rebalance_over` times its fair share, to the least busy replica (a home of one replica,
+kept by later plans).
 """
 
 from __future__ import annotations

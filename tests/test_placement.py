@@ -154,10 +154,11 @@ def check_moves(shares, ids, cfg, holders, hot, singles) -> None:
 
 
 def test_rebalance_moves_the_adapter_that_best_evens_the_busiest_replica():
-    """Moves are off by default (max_moves 0); with max_moves 1: 4 replicas, nothing hot (k = ceil(share x 4 x 1.5) = 1 for shares <= 1/6). r0 holds
-    b, c, d (0.16 + 0.12 + 0.08 = 0.36 of all traffic, over 1.3 / 4 = 0.325); r3, the least
-    busy (0.02), takes the one that best evens the two: b (max(0.20, 0.18) = 0.20, against
-    0.24 for c and 0.28 for d). The router then sends b to r3 although r0 has it in a slot.
+    """Moves are off by default (max_moves 0). With max_moves 1: 4 replicas, nothing hot
+    (k = ceil(share x 4 x 1.5) = 1 for shares <= 1/6). r0 holds b, c, d (0.16 + 0.12 +
+    0.08 = 0.36 of all traffic, over 1.3 / 4 = 0.325); r3, the least busy (0.02), takes the
+    one that best evens the two: b (max(0.20, 0.18) = 0.20, against 0.24 for c and 0.28
+    for d). The router then sends b to r3 although r0 has it in a slot.
     The next plan keeps the move (r0 now holds b too) and moves nothing more (r0: 0.20)."""
     from deployments.placement import PlacementConfig, plan_placement
 
@@ -175,7 +176,7 @@ def test_rebalance_moves_the_adapter_that_best_evens_the_busiest_replica():
     holders["b"] = ["r0", "r3"]
     assert plan_placement(shares, ids, cfg, holders, prev=plc) == {"b": ("r3",)}
     assert plan_placement(shares, ids, cfg, holders) == {}  # without it b counts half at r0
-    # no move under the threshold, none without enough requests counted, none when off
+    # no move under the threshold, none without enough requests counted
     calm = {**shares, "b": 0.10}
     assert plan_placement(calm, ids, cfg, {**holders, "b": ["r0"]}) == {}
     counts = {a: 15.0 for a in shares}
