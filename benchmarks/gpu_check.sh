@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# One-shot GPU check (about 8 minutes on one GPU; each step has its own time limit):
+# One-shot GPU check (each step has its own time limit; all of them add up to ~11 minutes, more
+# than one 10-minute device call: pick steps with ONLY, e.g. ONLY="engine_parity gpu_decode",
+# about 6 minutes, the check that matters most):
 #   1. engine_parity: the engine on CUDA with the Triton LoRA kernels against PEFT, issue 3's
 #      three-adapter workload (benchmarks/gpu_engine_check.py);
 #   2. gpu_decode: issue 17's GPU-grade decode (benchmarks/gpu_decode_check.py, at most ~4.5
@@ -33,9 +35,11 @@ LOG_DIR=${OUT:-/tmp}/gpu_check
 mkdir -p "$LOG_DIR"
 declare -A RESULT
 
+ONLY=${ONLY:-}  # e.g. ONLY="engine_parity gpu_decode": run just these steps (a 10-minute call)
 step() {  # step NAME TIMEOUT_S CMD...: run, tee the log, remember pass/fail
     local name=$1 limit=$2
     shift 2
+    if [[ -n $ONLY && " $ONLY " != *" $name "* ]]; then RESULT[$name]="PASS (skipped: ONLY)"; return; fi
     echo "=== $name: $* (limit ${limit}s)"
     local t0=$SECONDS
     timeout "$limit" "$@" 2>&1 | tee "$LOG_DIR/$name.log"

@@ -14,7 +14,9 @@ value (the paged-attention and LoRA kernels read context lengths and per-slot to
 on the device). `EagerGraph` checks exactly that on the CPU: it "captures" by keeping the
 closure built at capture time and "replays" by running it again, so a forward that baked a
 per-step value into its closure at capture time gives wrong tokens in the tests, as a real
-graph would on a GPU. Only `torch.cuda.CUDAGraph` itself is GPU-only.
+graph would on a GPU. Only `torch.cuda.CUDAGraph` itself is GPU-only. What EagerGraph cannot
+show is lifetime: it keeps its closure to replay it, a CUDA graph keeps only addresses, so
+CudaGraph holds the closure (and every buffer only it refers to) for as long as the graph.
 """
 
 from __future__ import annotations
@@ -42,8 +44,14 @@ class CudaGraph:
 
     def __init__(self) -> None:
         self.graph = torch.cuda.CUDAGraph()
+        self.fn: Callable[[], torch.Tensor] | None = None
 
     def capture(self, fn: Callable[[], torch.Tensor], pool: object) -> torch.Tensor:
+        # The graph replays raw addresses: every tensor it reads must live as long as it does.
+        # Some live only in fn's closure (the StaticLoRAMeta of a LoRA graph, allocated outside
+        # the capture): dropped with fn, their memory is reused and a replay reads garbage
+        # slot counts (an illegal address on the H200, 2026-12-04). Holding fn holds them.
+        self.fn = fn
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

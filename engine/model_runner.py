@@ -130,7 +130,9 @@ class ModelRunner:
         self._allocate_kv_cache()
         # on CUDA the logits stay on the device: only the sampled ids and logprobs come back
         self.sampler = make_sampler(
-            self.device, config.seed, cpu_argmax_op() if self.dtype == torch.float32 else None
+            self.device,
+            config.seed,
+            cpu_argmax_op() if self.device.type == "cpu" and self.dtype == torch.float32 else None,
         )
         self.faults = FaultInjector()  # test-only (engine/faults.py)
         if self.device.type == "cpu" and self.dtype == torch.float32:

@@ -168,3 +168,49 @@ def test_graphs_capture_largest_first_in_one_pool():
     ]
     assert [p for _, _, p in captured] == [None] + ["pool"] * 5
     assert graphs.replay(2, True).tolist() == [1.0, 1.0]
+
+
+def test_cuda_graph_keeps_its_closure_alive(monkeypatch):
+    """A CUDA graph replays raw addresses, so whatever its closure alone holds (a LoRA graph's
+    StaticLoRAMeta) must live as long as the graph. Before CudaGraph kept fn, those buffers
+    were freed after capture and reused: on the H200 (2026-12-04) the first LoRA replay read
+    garbage slot counts, an illegal address. torch.cuda's graph pieces need a GPU; stood in
+    here by no-ops, CudaGraph's own bookkeeping is what is checked."""
+    import gc
+    import weakref
+    from contextlib import nullcontext
+
+    from engine import cuda_graphs
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    class Graph:
+        def pool(self):
+            return "pool"
+
+    cuda = cuda_graphs.torch.cuda
+    monkeypatch.setattr(cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(cuda, "Stream", Stream)
+    monkeypatch.setattr(cuda, "current_stream", Stream)
+    monkeypatch.setattr(cuda, "stream", lambda s: nullcontext())
+    monkeypatch.setattr(cuda, "graph", lambda g, pool=None: nullcontext())
+
+    def build(size, lora):
+        held = torch.zeros(size)  # only the closure refers to it, as the static meta
+
+        def forward():
+            return held + 1
+
+        build.refs.append(weakref.ref(held))
+        return forward
+
+    build.refs = []
+    graphs = DecodeGraphs(build, [1, 2], (False, True), cuda_graphs.CudaGraph)
+    graphs.capture()
+    gc.collect()
+    assert len(build.refs) == 4 and all(r() is not None for r in build.refs)
+    del graphs
+    gc.collect()
+    assert all(r() is None for r in build.refs)  # and freed with the graphs, not leaked
