@@ -96,7 +96,8 @@ class LLMEngine:
         ]
         if grammar is not None:
             self.structured.add_sequences(seqs, grammar)
-        detoks = [IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) for _ in seqs]
+        decode, skip = self.output_processor.decode, params.skip_special_tokens
+        detoks = [IncrementalDetokenizer(self.tokenizer, skip, decode) for _ in seqs]
         self.output_processor.add(
             RequestState(request_id, text, prompt_ids, params, lora_request, seqs, detoks)
         )
