@@ -114,8 +114,10 @@ def simulate(policy: str, cfg: SimConfig, *, check: bool = False) -> SimResult:
     # fleet-wide request counts, what a registry fed by every router would hold: read by
     # the replicas only with popularity eviction
     fleet = AdapterPopularity()
+    shared: dict[str, float] = {}  # the what-if shared tier: adapter -> in it from (ms)
     replicas = [
-        Replica(f"replica-{i:03d}", cfg, check, top, fleet.count) for i in range(cfg.num_replicas)
+        Replica(f"replica-{i:03d}", cfg, check, top, fleet.count, shared)
+        for i in range(cfg.num_replicas)
     ]
     router = Router(router_name, replicas, cfg)
     events: list[tuple[float, int, int, Request | None, Replica | None]] = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from deployments.placement import DEFAULT_MAX_MOVES
 from deployments.routing_policy import DEFAULT_LOAD_BOUND_C, DEFAULT_MIN_LOAD_BOUND
 
 EVICTIONS = ("lru", "frequency", "popularity")
@@ -41,6 +42,10 @@ class SimConfig:
     disk_load_ms: float = 150.0  # the cold tier (local disk, or object storage) -> CPU cache
     local_read_ms: float | None = None  # a remote cold tier: local copy -> CPU cache
     async_disk_loads: bool = True  # raylora: read at arrival in a worker thread; vLLM: in-step
+    # What-if, NOT BUILT (docs/routing.md): a cluster-wide adapter tier (the Ray object store,
+    # refs held by the registry) that raylora's engine (async_disk_loads) reads an adapter from
+    # at this cost once any replica has read it from the cold tier. None: none, as today.
+    shared_tier_ms: float | None = None
     stall_loads: bool = True  # a slot load delays every running request (the step waits)
     # which engine each policy runs on: "system" = its own system's (SYSTEM_ENGINE), a name in
     # ENGINES = that one for every policy, "config" = the eviction/async fields as set here
@@ -61,6 +66,7 @@ class SimConfig:
     # ends): how many prefix tokens it holds, LRU by tenant. 0 = no prefix caching.
     prefix_cache_tokens: int = 0
     load_bound_c: float = DEFAULT_LOAD_BOUND_C
+    max_moves: int = DEFAULT_MAX_MOVES  # placement.rebalance's moves per plan (0: off)
     min_load_bound: int = DEFAULT_MIN_LOAD_BOUND
     seed: int = 0
 

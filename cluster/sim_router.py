@@ -63,7 +63,9 @@ class Router:
         self.rr = itertools.cycle(replicas)
         self.instant = policy.endswith("_instant")
         self.replica_ids = [r.replica_id for r in replicas]
-        self.planner = PlacementPlanner(PlacementConfig(max_loras=cfg.max_loras))
+        self.planner = PlacementPlanner(
+            PlacementConfig(max_loras=cfg.max_loras, max_moves=cfg.max_moves)
+        )
         self.recent = RecentRoutes()  # what this router sent, held until residency shows it
         # the prefix router's tree, reduced to what it decides on: which replicas it sent
         # each tenant's prefix to, and how much text it sent each replica

@@ -241,8 +241,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--policies", default=",".join(SWEEP_POLICIES))
     ap.add_argument("--plot", default=None, help="save the Pareto plot (PNG) here")
     ap.add_argument("--quick", action="store_true", help="3 points, 1 seed, 1,500 requests")
+    ap.add_argument(
+        "--shared-tier-ms",
+        type=float,
+        default=None,
+        help="what-if, not built: raylora's replicas read adapters another replica already "
+        "read from a fleet-wide tier at this cost (SimConfig.shared_tier_ms)",
+    )
+    ap.add_argument("--max-moves", type=int, default=SimConfig().max_moves, help="placement moves")
     args = ap.parse_args(argv)
-    base = SimConfig(num_requests=args.requests)
+    base = SimConfig(
+        num_requests=args.requests, shared_tier_ms=args.shared_tier_ms, max_moves=args.max_moves
+    )
     seeds = tuple(int(s) for s in args.seeds.split(","))
     points = args.points
     if args.quick:
@@ -261,6 +271,11 @@ def main(argv: list[str] | None = None) -> None:
         f"{PEER} (targets: slot {TARGETS['slot']}, cold {TARGETS['cold']}, p99 {TARGETS['p99']}"
         f", max/mean {TARGETS['max_mean']}); floor / cfloor = slot / cold load floors (per 1k)"
     )
+    if base.shared_tier_ms is not None or base.max_moves != SimConfig().max_moves:
+        print(
+            f"options: shared tier {base.shared_tier_ms} ms (a what-if, not built), "
+            f"placement moves {base.max_moves} per plan"
+        )
     print(format_runs(runs))
     print(summary(runs))
     print(f"wall {time.perf_counter() - t0:.0f} s")

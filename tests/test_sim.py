@@ -124,7 +124,7 @@ def test_prefix_workload_hit_rates():
     assert affinity.ttft_p50_ms < p2c.ttft_p50_ms
 
 
-def _one_replica(**kw):
+def _one_replica(shared: dict[str, float] | None = None, **kw):
     from cluster.sim_replica import Replica
 
     fields = {
@@ -139,7 +139,7 @@ def _one_replica(**kw):
         "engine": "config",  # Replica reads eviction / async_disk_loads as set
     }
     cfg = SimConfig(**{**fields, **kw})
-    return Replica("r", cfg, check=True)
+    return Replica("r", cfg, check=True, shared=shared)
 
 
 def test_slot_load_stalls_the_step_by_hand():
@@ -246,3 +246,33 @@ def test_sweep_quick(capsys):
     sweep_main(["--quick", "--workers", "1"])
     out = capsys.readouterr().out
     assert "aff/fl" in out and "judged runs meet every target" in out
+
+
+def test_shared_tier_what_if_by_hand():
+    """SimConfig.shared_tier_ms (a what-if, not built): once one replica read an adapter from
+    the cold tier, raylora's replicas read it from the fleet's tier at that cost, not cold;
+    vLLM's engine never uses it."""
+    from cluster.sim_config import Request
+
+    shared: dict[str, float] = {}
+    a, b = (_one_replica(shared_tier_ms=30.0, shared=shared) for _ in range(2))
+    assert a.enqueue(Request(0, "x", 0.0, prompt_tokens=1, output_tokens=1), 0.0) == 100.0
+    # b asks while a's read is still running: it waits for it, then the shared read
+    assert b.enqueue(Request(1, "x", 10.0, prompt_tokens=1, output_tokens=1), 10.0) == 130.0
+    assert (a.cold_loads, b.cold_loads, b.disk_loads) == (1, 0, 1)
+
+    v = _one_replica(shared_tier_ms=30.0, shared=shared, async_disk_loads=False)
+    v.enqueue(Request(2, "x", 200.0, prompt_tokens=1, output_tokens=10), 200.0)
+    assert v.schedule(200.0) and v.cold_loads == 1  # read from the cold tier, in the step
+
+
+def test_shared_tier_reads_each_adapter_once_fleet_wide():
+    from cluster.sim import _workload
+
+    cfg = replace(SMALL, shared_tier_ms=30.0)
+    distinct = {r.adapter for r in _workload(cfg) if r.adapter}
+    res = simulate("affinity", cfg, check=True)
+    assert res.num_completed == cfg.num_requests
+    assert round(res.cold_loads_per_1k * cfg.num_requests / 1000) == len(distinct)
+    peer = simulate("ray_multiplex", cfg)  # vLLM's engine: no shared tier
+    assert peer.cold_loads_per_1k == simulate("ray_multiplex", SMALL).cold_loads_per_1k
