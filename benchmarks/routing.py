@@ -31,7 +31,8 @@ multiplexed model id (the ingress's path, without the HTTP layer), from this dri
 router runs here.
 
 Adapter loads = slot activations (an adapter copied into one of the `max_loras` slots) +
-disk loads (an adapter read into a replica's CPU cache), from each replica's engine stats
+disk loads (an adapter read from disk into a replica's CPU cache; `shared`: those fetched
+from the shared adapter tier instead, raylora's arms only), from each replica's engine stats
 (`LLMServer.stats()["lora"]`), counted from the end of the warm-up. Latency is the
 driver-side time of each request (p50 / p99). With several --runs, the figures compared are
 each policy's medians over the runs.
@@ -110,7 +111,9 @@ def lora_counts(stats: dict[str, dict]) -> dict[str, dict[str, int]]:
     return {
         rid: {
             "activations": int(s["lora"].get("activations", 0)),
-            "disk": int(s["lora"].get("loads", 0)),
+            # reads into the CPU cache from disk; those fetched from the shared tier apart
+            "disk": int(s["lora"].get("loads", 0)) - int(s["lora"].get("shared_reads", 0)),
+            "shared": int(s["lora"].get("shared_reads", 0)),
         }
         for rid, s in stats.items()
     }
@@ -164,7 +167,11 @@ PEER = "ray_multiplex"
 # for most, the read in a worker thread) or vLLM's (LRU, the read inside the step)
 ENGINES: dict[str, dict] = {
     "raylora": {"adapter_eviction": "frequency", "read_adapters_in_step": False},
-    "vllm": {"adapter_eviction": "lru", "read_adapters_in_step": True},
+    "vllm": {
+        "adapter_eviction": "lru",
+        "read_adapters_in_step": True,
+        "shared_adapter_tier": False,
+    },
 }
 
 
@@ -236,6 +243,7 @@ def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -
         serve.delete(app_name)
     activations = sum(after[r]["activations"] - before[r]["activations"] for r in after)
     disk = sum(after[r]["disk"] - before[r]["disk"] for r in after)
+    shared = sum(after[r]["shared"] - before[r]["shared"] for r in after)
     resident = [len(s["adapters_in_cpu"]) for s in after_stats.values()]
     lat = sorted(latencies.values())
     return {
@@ -244,6 +252,7 @@ def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -
         "errors": errors,
         "activations": activations,
         "disk": disk,
+        "shared": shared,
         "loads": activations + disk,
         "p50_ms": 1000 * lat[len(lat) // 2] if lat else float("nan"),
         "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else float("nan"),
@@ -256,14 +265,14 @@ def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -
 
 def print_table(results: list[dict], num_requests: int) -> None:
     header = (
-        f"{'policy':<30}{'ok':>6}{'slot loads':>12}{'disk loads':>12}{'all loads':>11}"
+        f"{'policy':<30}{'ok':>6}{'slot loads':>12}{'disk loads':>12}{'shared':>8}{'all loads':>11}"
         f"{'loads/req':>11}{'p50':>9}{'p99':>9}  adapters in CPU per replica"
     )
     print(header)
     for r in results:
         print(
             f"{r['policy']:<30}{r['ok']:>6}{r['activations']:>12}{r['disk']:>12}"
-            f"{r['loads']:>11}{r['loads'] / num_requests:>11.2f}{r['p50_ms']:>7.0f}ms"
+            f"{r.get('shared', 0):>8}{r['loads']:>11}{r['loads'] / num_requests:>11.2f}{r['p50_ms']:>7.0f}ms"
             f"{r['p99_ms']:>7.0f}ms  {r.get('cpu_cached_per_replica', '')}"
         )
 
@@ -274,7 +283,7 @@ def medians(results: list[dict]) -> list[dict]:
     for policy in dict.fromkeys(r["policy"] for r in results):
         runs = [r for r in results if r["policy"] == policy]
         row: dict = {"policy": policy, "ok": min(r["ok"] for r in runs)}
-        for key in ("activations", "disk", "loads", "p50_ms", "p99_ms"):
+        for key in ("activations", "disk", "shared", "loads", "p50_ms", "p99_ms"):
             row[key] = statistics.median(r[key] for r in runs)
         out.append(row)
     return out

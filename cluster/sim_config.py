@@ -42,10 +42,11 @@ class SimConfig:
     disk_load_ms: float = 150.0  # the cold tier (local disk, or object storage) -> CPU cache
     local_read_ms: float | None = None  # a remote cold tier: local copy -> CPU cache
     async_disk_loads: bool = True  # raylora: read at arrival in a worker thread; vLLM: in-step
-    # What-if, NOT BUILT (docs/routing.md): a cluster-wide adapter tier (the Ray object store,
-    # refs held by the registry) that raylora's engine (async_disk_loads) reads an adapter from
-    # at this cost once any replica has read it from the cold tier. None: none, as today.
-    shared_tier_ms: float | None = None
+    # raylora's shared adapter tier (deployments/shared_adapters.py: the Ray object store, refs
+    # held by the registry): once any replica read an adapter from the cold tier, raylora's
+    # engine (async_disk_loads) fetches it there at this cost (~40 MB at 10 Gbit/s across
+    # nodes). None: no such tier (vLLM's engine never has one).
+    shared_tier_ms: float | None = 30.0
     stall_loads: bool = True  # a slot load delays every running request (the step waits)
     # which engine each policy runs on: "system" = its own system's (SYSTEM_ENGINE), a name in
     # ENGINES = that one for every policy, "config" = the eviction/async fields as set here

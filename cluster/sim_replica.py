@@ -15,9 +15,9 @@ Both: the CPU cache -> slot copy runs inside the step, before the forward, so ev
 request waits for it (`stall_loads=True`). An adapter the CPU cache dropped between its read
 and its admission is read again inside the step.
 
-What-if, not built (`shared_tier_ms`): raylora's engine reads an adapter some replica already
-read from the cold tier out of a fleet-wide tier instead (docs/routing.md says what it would
-take); vLLM's never does.
+raylora's engine reads an adapter some replica already read from the cold tier out of the
+fleet's shared tier instead (`shared_tier_ms`, deployments/shared_adapters.py); vLLM's never
+does. The model keeps every adapter there (the app's tier is LRU under a byte budget).
 
 Tiers: slots <- CPU cache <- cold tier (`disk_load_ms`). With a remote cold tier
 (`local_read_ms` set: object storage), each replica keeps what it fetched on local disk (Ray
@@ -53,7 +53,7 @@ class Replica:
         popularity: Popularity | None = None,
         shared: dict[str, float] | None = None,
     ) -> None:
-        """shared: the fleet's what-if shared tier (cfg.shared_tier_ms), one dict for all."""
+        """shared: the fleet's shared tier (cfg.shared_tier_ms), one dict for all replicas."""
         self.replica_id = replica_id
         self.shared = shared if shared is not None else {}
         self.top = top  # the fleet's num_replicas * max_loras most popular adapters
@@ -155,7 +155,7 @@ class Replica:
         if cfg.shared_tier_ms is not None and cfg.async_disk_loads:
             if adapter in self.shared:  # another replica read it: from the shared tier
                 return max(now, self.shared[adapter]) + cfg.shared_tier_ms
-            self.shared[adapter] = now + cfg.disk_load_ms  # unbounded in this what-if
+            self.shared[adapter] = now + cfg.disk_load_ms  # published once read
         self.cold_loads += 1
         if cfg.local_read_ms is not None:
             self.on_disk[adapter] = now + cfg.disk_load_ms

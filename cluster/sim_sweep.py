@@ -244,15 +244,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--shared-tier-ms",
         type=float,
-        default=None,
-        help="what-if, not built: raylora's replicas read adapters another replica already "
-        "read from a fleet-wide tier at this cost (SimConfig.shared_tier_ms)",
+        default=SimConfig().shared_tier_ms,
+        help="raylora's shared adapter tier: a read of an adapter another replica already "
+        "read costs this (SimConfig.shared_tier_ms)",
     )
+    ap.add_argument("--no-shared-tier", action="store_true", help="raylora without the tier")
     ap.add_argument("--max-moves", type=int, default=SimConfig().max_moves, help="placement moves")
     args = ap.parse_args(argv)
-    base = SimConfig(
-        num_requests=args.requests, shared_tier_ms=args.shared_tier_ms, max_moves=args.max_moves
-    )
+    shared_ms = None if args.no_shared_tier else args.shared_tier_ms
+    base = SimConfig(num_requests=args.requests, shared_tier_ms=shared_ms, max_moves=args.max_moves)
     seeds = tuple(int(s) for s in args.seeds.split(","))
     points = args.points
     if args.quick:
@@ -271,11 +271,10 @@ def main(argv: list[str] | None = None) -> None:
         f"{PEER} (targets: slot {TARGETS['slot']}, cold {TARGETS['cold']}, p99 {TARGETS['p99']}"
         f", max/mean {TARGETS['max_mean']}); floor / cfloor = slot / cold load floors (per 1k)"
     )
-    if base.shared_tier_ms is not None or base.max_moves != SimConfig().max_moves:
-        print(
-            f"options: shared tier {base.shared_tier_ms} ms (a what-if, not built), "
-            f"placement moves {base.max_moves} per plan"
-        )
+    print(
+        f"raylora's shared adapter tier: {base.shared_tier_ms} ms a read (None: off); "
+        f"placement moves: {base.max_moves} per plan"
+    )
     print(format_runs(runs))
     print(summary(runs))
     print(f"wall {time.perf_counter() - t0:.0f} s")

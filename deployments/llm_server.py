@@ -8,7 +8,9 @@ the app was built with) and read into the engine's CPU cache on first use, in a 
 thread: streams on this replica go on while an adapter is read from disk or the Hub. What
 stays in the CPU cache and in the slots: the adapters this replica is asked for most (its
 decayed request counts, `adapter_eviction="frequency"`; "lru" is vLLM's). The reporter tells
-the registry and, through `record_routing_stats`, the AdapterAffinityRouter. With
+the registry and, through `record_routing_stats`, the AdapterAffinityRouter. An adapter
+another replica already read is fetched from the Ray object store instead of read again
+(`shared_adapter_tier`, default on; deployments/shared_adapters.py). With
 `report_multiplexed_ids` (default on) the replica also reports its CPU-cache adapters to Ray
 Serve as its multiplexed model ids, as a `@serve.multiplexed` replica does
 (deployments/multiplexed_ids.py), so Ray's default router prefers replicas that hold the
@@ -47,6 +49,7 @@ from deployments.replica_io import (
     to_replica_output,
 )
 from deployments.replica_reporter import ReplicaReporter, get_registry_or_none
+from deployments.shared_adapters import RayAdapterTier
 
 logger = logging.getLogger("ray.serve")
 
@@ -78,6 +81,7 @@ class LLMServer:
         report_multiplexed_ids: bool = True,
         adapter_eviction: str = "frequency",
         read_adapters_in_step: bool = False,
+        shared_adapter_tier: bool = True,
     ) -> None:
         from engine import AsyncLLMEngine, EngineConfig
 
@@ -122,6 +126,10 @@ class LLMServer:
             get_registry=lambda: get_registry_or_none(registry_state_file),
         )
         await self.reporter.start()
+        # an adapter another replica read is fetched from the object store, not read again
+        # (deployments/shared_adapters.py); not on the in-step read path (the peer's arm)
+        if shared_adapter_tier and not self._read_in_step and self.reporter.registry is not None:
+            self.engine.adapter_tier = RayAdapterTier(self.reporter.registry, self.model_name)
         # Ray's default router reads these; outside Serve there is nobody to tell.
         push = push_for_this_replica() if report_multiplexed_ids else None
         self._multiplex: MultiplexedIdReporter | None = None

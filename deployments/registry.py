@@ -37,6 +37,7 @@ from typing import Any
 import ray
 
 from deployments.catalog_store import CatalogStore, FileStore, GcsKVStore, empty_record
+from deployments.shared_adapters import DEFAULT_SHARED_TIER_BYTES, Key, SharedAdapterStore
 
 logger = logging.getLogger(__name__)
 
@@ -226,10 +227,16 @@ class AdapterRegistry:
     with CatalogStoreError naming it (catalog_store.py says why it does not start empty)."""
 
     def __init__(
-        self, stale_after_s: float = DEFAULT_STALE_AFTER_S, state_file: str | None = None
+        self,
+        stale_after_s: float = DEFAULT_STALE_AFTER_S,
+        state_file: str | None = None,
+        shared_tier_bytes: int = DEFAULT_SHARED_TIER_BYTES,
     ) -> None:
         self._state = RegistryState(stale_after_s=stale_after_s, store=make_store(state_file))
         self._incarnation = uuid.uuid4().hex  # new at every (re)start
+        # the shared adapter tier's refs (deployments/shared_adapters.py); not durable: the
+        # objects this actor owns go with it, and the replicas read from disk again
+        self._shared = SharedAdapterStore(shared_tier_bytes)
 
     def incarnation(self) -> str:
         """An id of this process of the actor: it changes when Ray restarts it."""
@@ -239,9 +246,23 @@ class AdapterRegistry:
         self, name: str, source: str, rank: int, target_modules: list[str], base_model: str
     ) -> None:
         self._state.register_adapter(name, source, rank, target_modules, base_model)
+        self._shared.drop_name(name)  # a (re)load: no replica may fetch an older copy
 
     def unregister_adapter(self, name: str) -> bool:
+        self._shared.drop_name(name)
         return self._state.unregister_adapter(name)
+
+    def shared_get(self, key: Key) -> list | None:
+        return self._shared.get(key)
+
+    def shared_put(self, key: Key, refs: list, num_bytes: int) -> bool:
+        return self._shared.put(key, refs, num_bytes)
+
+    def shared_forget(self, key: Key) -> None:
+        self._shared.forget(key)
+
+    def shared_stats(self) -> dict:
+        return self._shared.stats()
 
     def list_adapters(self) -> dict[str, dict]:
         return self._state.list_adapters()

@@ -25,6 +25,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError, InjectedFault, RequestFailedError
 from engine.llm_engine import LLMEngine
 from engine.lora.adapter import LoRAAdapter
+from engine.lora.manager import AdapterTier
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -44,6 +45,8 @@ class AsyncLLMEngine:
         self._listeners: list[Callable[[list[str], list[str]], None]] = []
         self._residency: tuple[list[str], list[str]] = ([], [])
         self._dead_error: EngineDeadError | None = None
+        # where adapter reads look before disk/Hub (LLMServer sets the object-store tier)
+        self.adapter_tier: AdapterTier | None = None
         self._thread_stop = False
         self._thread = threading.Thread(target=self._loop, name="raylora-engine", daemon=True)
         self._thread.start()
@@ -155,7 +158,7 @@ class AsyncLLMEngine:
         to_read = self.engine.lora_to_read(lora)
         if to_read is None:
             return None
-        return to_read, await asyncio.to_thread(self.engine.read_lora, to_read)
+        return to_read, await asyncio.to_thread(self.engine.read_lora, to_read, self.adapter_tier)
 
     def remove_lora(self, lora_name: str) -> bool:
         with self._lock:

@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from engine.errors import ContextLengthError, InvalidRequestError
 from engine.input_processor import InputProcessor
 from engine.lora.adapter import LoRAAdapter
-from engine.lora.manager import LoRAManager
+from engine.lora.manager import AdapterTier, LoRAManager
 from engine.lora.request import LoRARequest
 from engine.model_runner import ModelRunner, ModelRunnerOutput
 from engine.models.loader import resolve_model
@@ -148,10 +148,11 @@ class LLMEngine:
         """The request read_lora must read, or None if the CPU cache holds the adapter."""
         return self._lora_manager().lora_to_read(lora_request)
 
-    def read_lora(self, lora_request: LoRARequest) -> LoRAAdapter:
-        """Read and validate an adapter from disk/Hub (raises LoRAError). Touches no engine
-        state: safe in a worker thread, without the engine's lock, while steps run."""
-        return self._lora_manager().read_lora(lora_request)
+    def read_lora(self, lora_request: LoRARequest, tier: AdapterTier | None = None) -> LoRAAdapter:
+        """Read and validate an adapter from disk/Hub, or fetch it from `tier` (raises
+        LoRAError). Touches no engine state: safe in a worker thread, without the engine's
+        lock, while steps run."""
+        return self._lora_manager().read_lora(lora_request, tier)
 
     def insert_lora(self, lora_request: LoRARequest, adapter: LoRAAdapter) -> dict:
         """Put an adapter read by read_lora into the CPU cache; quick."""
@@ -194,6 +195,7 @@ class LLMEngine:
         }
         if self.model_runner.lora_manager is not None:
             lora["loads"] = self.model_runner.lora_manager.num_loads
+            lora["shared_reads"] = self.model_runner.lora_manager.num_shared_reads
         in_slots, in_cpu = self.residency()
         cache = self.block_manager.stats
         return {

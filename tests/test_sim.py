@@ -249,9 +249,9 @@ def test_sweep_quick(capsys):
 
 
 def test_shared_tier_what_if_by_hand():
-    """SimConfig.shared_tier_ms (a what-if, not built): once one replica read an adapter from
-    the cold tier, raylora's replicas read it from the fleet's tier at that cost, not cold;
-    vLLM's engine never uses it."""
+    """SimConfig.shared_tier_ms (deployments/shared_adapters.py): once one replica read an
+    adapter from the cold tier, raylora's replicas read it from the fleet's tier at that
+    cost, not cold; vLLM's engine never uses it."""
     from cluster.sim_config import Request
 
     shared: dict[str, float] = {}
@@ -275,4 +275,6 @@ def test_shared_tier_reads_each_adapter_once_fleet_wide():
     assert res.num_completed == cfg.num_requests
     assert round(res.cold_loads_per_1k * cfg.num_requests / 1000) == len(distinct)
     peer = simulate("ray_multiplex", cfg)  # vLLM's engine: no shared tier
-    assert peer.cold_loads_per_1k == simulate("ray_multiplex", SMALL).cold_loads_per_1k
+    no_tier = replace(SMALL, shared_tier_ms=None)
+    assert peer.cold_loads_per_1k == simulate("ray_multiplex", no_tier).cold_loads_per_1k
+    assert simulate("affinity", no_tier).cold_loads_per_1k > res.cold_loads_per_1k

@@ -14,6 +14,7 @@ Modules an adapter does not target stay zero in its slot, so they contribute not
 import hashlib
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -22,6 +23,17 @@ from engine.lora.adapter import LoRAAdapter, LoRAModelSpec, load_adapter
 from engine.lora.request import LoRARequest
 from engine.models.llama import PACKED_MODULES, LoRALinear
 from raylora_kernels import SlotWeights
+
+
+class AdapterTier(Protocol):
+    """A tier between the CPU cache and disk/Hub that replicas share (on Ray Serve the object
+    store, deployments/shared_adapters.py): an adapter one replica read is fetched there by the
+    others instead of being read again. Both calls block (a worker thread makes them) and
+    never raise: a tier that fails is a miss, and the read goes to disk/Hub."""
+
+    def fetch(self, lora: LoRARequest) -> LoRAAdapter | None: ...
+
+    def publish(self, lora: LoRARequest, adapter: LoRAAdapter) -> None: ...
 
 
 class LoRAManager:
@@ -44,6 +56,7 @@ class LoRAManager:
         self.priority: Callable[[str], float] | None = None
         self.slot_names: list[str | None] = [None] * config.max_loras
         self.num_loads = self.num_cpu_hits = self.num_cpu_evictions = 0
+        self.num_shared_reads = 0  # reads answered by an AdapterTier (not disk/Hub)
         self.linears = linears
         L, R = config.max_loras, config.max_lora_rank
         for lin in linears.values():
@@ -68,11 +81,20 @@ class LoRAManager:
             return self.known.get(lora.lora_name, lora)
         return lora
 
-    def read_lora(self, lora: LoRARequest) -> LoRAAdapter:
+    def read_lora(self, lora: LoRARequest, tier: AdapterTier | None = None) -> LoRAAdapter:
         """Read and validate an adapter (raises LoRAError). Uses only the immutable model spec,
-        so it is safe in a worker thread while the engine steps (the content hash too)."""
+        so it is safe in a worker thread while the engine steps (the content hash too).
+        tier: fetch it there first; what is read from disk/Hub is published there."""
+        if tier is not None:
+            adapter = tier.fetch(lora)
+            # another deployment's limits may differ: what this one cannot take is a miss
+            if adapter is not None and adapter.rank <= self.config.max_lora_rank:
+                self.num_shared_reads += 1  # a worker thread: a stats counter, not exact
+                return adapter
         adapter = load_adapter(lora.lora_path, lora.lora_name, self.spec)
         adapter.identity = adapter_identity(adapter)
+        if tier is not None:
+            tier.publish(lora, adapter)
         return adapter
 
     def insert_lora(self, lora: LoRARequest, adapter: LoRAAdapter) -> LoRAAdapter:
@@ -154,6 +176,7 @@ class LoRAManager:
         slots, cpu = self.residency()
         return {
             "loads": self.num_loads,
+            "shared_reads": self.num_shared_reads,  # of the reads, fetched from a shared tier
             "cpu_hits": self.num_cpu_hits,
             "cpu_evictions": self.num_cpu_evictions,
             "adapters_in_slots": slots,

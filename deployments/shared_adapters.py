@@ -1,0 +1,138 @@
+"""The shared adapter tier: an adapter read from disk/Hub once, fetched by every other replica
+from the Ray object store.
+
+Without it every replica that takes an adapter reads it from the cold tier, and the router
+trades those reads against balance: a hot adapter grown onto one more replica, an adapter
+moved off a busy one, each costs a cold read (seconds from object storage). With it the first
+reader parses and validates the adapter, `ray.put`s it and registers the ref with the
+registry actor; the others fetch it (a copy across the cluster's network, no parsing). The
+reader owns the object: when it goes (scaled down, failed), its copies go with it, and the
+next reader of each reads from disk and shares again. docs/routing.md has what it does
+to the routing sweep.
+
+- `SharedAdapterStore` (inside the registry actor): key -> the adapter's ref, LRU under a byte
+  budget. A key is (model, adapter name, source): another deployment's model never gets it, and
+  loading a name from another source is another key. The load and unload APIs drop every key
+  of the name (AdapterRegistry.register_adapter / unregister_adapter).
+- `RayAdapterTier` (in each replica, engine.lora.manager.AdapterTier): fetch and publish.
+  Never raises: a tier that fails (registry gone, the owner of the copy gone, a timeout) is
+  a miss, the read goes to disk, and a lost copy's key is forgotten.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the registry actor imports this module: it must not import torch
+    from engine.lora.adapter import LoRAAdapter
+    from engine.lora.request import LoRARequest
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SHARED_TIER_BYTES = 2 << 30  # of the object store, for adapters (the registry's budget)
+Key = tuple[str, str, str]  # (model, adapter name, source)
+
+
+class SharedAdapterStore:
+    """key -> ([ref], bytes), least recently fetched first; kept within `budget_bytes` (an
+    adapter larger than the whole budget is not kept). Holding the ref is what keeps the
+    object alive: a dropped entry's object is freed once no replica is still fetching it."""
+
+    def __init__(self, budget_bytes: int = DEFAULT_SHARED_TIER_BYTES) -> None:
+        self.budget_bytes = int(budget_bytes)
+        self.entries: OrderedDict[Key, tuple[list[Any], int]] = OrderedDict()
+        self.total_bytes = 0
+        self.hits = self.misses = self.evictions = 0
+
+    def get(self, key: Key) -> list[Any] | None:
+        entry = self.entries.get(key)
+        if entry is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self.entries.move_to_end(key)
+        return entry[0]
+
+    def put(self, key: Key, refs: list[Any], num_bytes: int) -> bool:
+        """Keep `refs` (a one-element list: Ray passes a bare ref by value) under `key`,
+        replacing what was there; evict the least recently fetched to fit. False if the
+        adapter alone is over the budget."""
+        self.forget(key)
+        if num_bytes > self.budget_bytes:
+            return False
+        while self.entries and self.total_bytes + num_bytes > self.budget_bytes:
+            _, (_, size) = self.entries.popitem(last=False)
+            self.total_bytes -= size
+            self.evictions += 1
+        self.entries[key] = (refs, int(num_bytes))
+        self.total_bytes += int(num_bytes)
+        return True
+
+    def forget(self, key: Key) -> None:
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            self.total_bytes -= entry[1]
+
+    def drop_name(self, name: str) -> int:
+        """Forget every key of adapter `name` (any model, any source); how many."""
+        keys = [k for k in self.entries if k[1] == name]
+        for key in keys:
+            self.forget(key)
+        return len(keys)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "adapters": len(self.entries),
+            "bytes": self.total_bytes,
+            "budget_bytes": self.budget_bytes,
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+        }
+
+
+class RayAdapterTier:
+    """engine.lora.manager.AdapterTier over the registry actor's SharedAdapterStore."""
+
+    def __init__(self, registry: Any, model: str, timeout_s: float = 60.0) -> None:
+        self.registry = registry
+        self.model = model
+        self.timeout_s = timeout_s
+
+    def key(self, lora: LoRARequest) -> Key:
+        return (self.model, lora.lora_name, lora.lora_path or "")
+
+    def fetch(self, lora: LoRARequest) -> LoRAAdapter | None:
+        import ray
+
+        from engine.lora.adapter import LoRAAdapter
+
+        key = self.key(lora)
+        try:
+            refs = ray.get(self.registry.shared_get.remote(key), timeout=self.timeout_s)
+        except Exception as e:  # no registry now: read from disk
+            logger.warning("raylora: shared adapter tier unavailable (%s)", e)
+            return None
+        if not refs:
+            return None
+        try:
+            adapter = ray.get(refs[0], timeout=self.timeout_s)
+        except Exception as e:  # lost (its owner restarted) or too slow: forget it, read
+            logger.warning("raylora: shared copy of %s unavailable (%s)", lora.lora_name, e)
+            self.registry.shared_forget.remote(key)
+            return None
+        return adapter if isinstance(adapter, LoRAAdapter) else None
+
+    def publish(self, lora: LoRARequest, adapter: LoRAAdapter) -> None:
+        import ray
+
+        try:
+            # This replica owns the copy (Ray 2.56 removed ray.put's _owner): the registry's
+            # ref keeps it alive as long as the replica lives; after that a fetch fails, is
+            # forgotten, and the next reader reads from disk and shares its own copy.
+            ref = ray.put(adapter)
+            self.registry.shared_put.remote(self.key(lora), [ref], adapter.num_bytes())
+        except Exception as e:  # the adapter is read; only the sharing failed
+            logger.warning("raylora: could not share %s (%s)", lora.lora_name, e)

@@ -1,0 +1,156 @@
+"""The shared adapter tier (deployments/shared_adapters.py): the registry's store, the engine's
+read path through a tier, and the Ray object store tier on a local Ray cluster.
+
+The engine test deletes the adapter's files after the first read: a second engine that still
+serves it token for token as the first one did can only have taken it from the tier.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from deployments.shared_adapters import SharedAdapterStore
+from engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams
+from engine.lora.errors import LoRAError
+from tests.lora_fixtures import make_adapter_set
+
+pytestmark = pytest.mark.timeout(300)
+
+
+# -- the registry's store ----------------------------------------------------------------
+
+
+def test_store_keeps_the_most_recently_fetched_within_its_budget():
+    store = SharedAdapterStore(budget_bytes=100)
+    a, b, c = ("m", "a", "/a"), ("m", "b", "/b"), ("m", "c", "/c")
+    assert store.put(a, ["ra"], 40) and store.put(b, ["rb"], 40)
+    assert store.get(a) == ["ra"]  # a is now the most recent: b goes first
+    assert store.put(c, ["rc"], 40)
+    assert store.get(b) is None and store.get(a) == ["ra"] and store.get(c) == ["rc"]
+    assert store.total_bytes == 80 and store.evictions == 1
+    assert not store.put(("m", "big", "/big"), ["rx"], 101)  # over the whole budget: not kept
+    assert store.put(a, ["ra2"], 10) and store.get(a) == ["ra2"]  # replaced, not added
+    assert store.total_bytes == 50
+    assert store.drop_name("a") == 1 and store.get(a) is None and store.total_bytes == 40
+    store.forget(c)
+    assert store.stats()["adapters"] == 0 and store.total_bytes == 0
+
+
+# -- the engine's read path --------------------------------------------------------------
+
+
+class DictTier:
+    """An in-process AdapterTier: what the Ray one does, without Ray."""
+
+    def __init__(self) -> None:
+        self.store: dict[tuple[str, str], object] = {}
+        self.fetches = self.publishes = 0
+
+    def fetch(self, lora):
+        self.fetches += 1
+        return self.store.get((lora.lora_name, lora.lora_path))
+
+    def publish(self, lora, adapter) -> None:
+        self.publishes += 1
+        self.store[(lora.lora_name, lora.lora_path)] = adapter
+
+
+def _generate(engine: LLMEngine, lora: LoRARequest, tier) -> list[int]:
+    engine.insert_lora(lora, engine.read_lora(lora, tier))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine.add_request("r", "The quick brown fox", params, lora)
+    out = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o
+    return out.outputs[0].token_ids
+
+
+def test_a_second_engine_takes_the_adapter_from_the_tier(tiny_model_dir, tmp_path):
+    folder = Path(make_adapter_set(tiny_model_dir, tmp_path)["all16"])
+    lora = LoRARequest("shared", 1, str(folder))
+    tier = DictTier()
+    first = LLMEngine(EngineConfig(model=tiny_model_dir, max_loras=2, max_lora_rank=16))
+    want = _generate(first, lora, tier)
+    assert tier.publishes == 1 and first.stats()["lora"]["shared_reads"] == 0
+    shutil.rmtree(folder)  # from here on, only the tier has it
+
+    second = LLMEngine(EngineConfig(model=tiny_model_dir, max_loras=2, max_lora_rank=16))
+    assert _generate(second, lora, tier) == want
+    assert second.stats()["lora"]["shared_reads"] == 1 and tier.publishes == 1
+    # an adapter over this engine's slot rank is a miss (then a disk read, which fails here)
+    small = LLMEngine(EngineConfig(model=tiny_model_dir, max_loras=2, max_lora_rank=4))
+    with pytest.raises(LoRAError):
+        small.read_lora(lora, tier)
+    assert small.stats()["lora"]["shared_reads"] == 0
+
+
+# -- the Ray object store tier -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    from tests.serve_fixtures import start_ray, stop_ray
+
+    start_ray(None)
+    try:
+        yield
+    finally:
+        stop_ray()
+
+
+def test_ray_tier_shares_a_replicas_read_until_it_goes(ray_cluster, tiny_model_dir, tmp_path):
+    """An actor (a replica) reads the adapter and publishes it; the driver fetches the same
+    weights; another model's key and a re-registration of the name get nothing; once the
+    reader is gone its copy is a miss, and the registry forgets it."""
+    import ray
+    import torch
+
+    from deployments.registry import get_or_create_registry
+    from deployments.shared_adapters import RayAdapterTier
+
+    folder = str(make_adapter_set(tiny_model_dir, tmp_path)["qv4"])
+    lora = LoRARequest("ray-shared", 1, folder)
+    registry = get_or_create_registry()
+
+    @ray.remote(num_cpus=0)
+    class Reader:
+        def read(self, model_dir: str) -> dict:
+            from deployments.registry import get_registry
+
+            engine = LLMEngine(EngineConfig(model=model_dir, max_loras=2, max_lora_rank=16))
+            adapter = engine.read_lora(lora, RayAdapterTier(get_registry(), "tiny"))
+            return {k: (a.clone(), b.clone()) for k, (a, b) in adapter.weights.items()}
+
+    def shared_count() -> int:
+        return ray.get(registry.shared_stats.remote())["adapters"]
+
+    def wait_for(count: int) -> None:
+        deadline = time.monotonic() + 30  # shared_put / shared_forget are fire-and-forget
+        while shared_count() != count:
+            assert time.monotonic() < deadline, f"the registry never held {count} adapters"
+            time.sleep(0.1)
+
+    reader = Reader.remote()
+    want = ray.get(reader.read.remote(tiny_model_dir), timeout=240)
+    wait_for(1)
+    tier = RayAdapterTier(registry, "tiny")
+    got = tier.fetch(lora)
+    assert got is not None and got.name == "ray-shared" and set(got.weights) == set(want)
+    for k, (a, b) in want.items():
+        assert torch.equal(got.weights[k][0], a) and torch.equal(got.weights[k][1], b)
+    assert RayAdapterTier(registry, "other-model").fetch(lora) is None  # another model's key
+
+    ray.kill(reader)  # the owner of the copy goes
+    time.sleep(1)
+    assert tier.fetch(lora) is None  # a miss, not an error: the caller reads from disk
+    wait_for(0)
+
+    tier.publish(lora, got)  # the driver shares its own copy; a reload of the name drops it
+    wait_for(1)
+    ray.get(registry.register_adapter.remote("ray-shared", folder, 4, ["q_proj"], "tiny"))
+    assert tier.fetch(lora) is None and shared_count() == 0
