@@ -129,7 +129,8 @@ class LLMServer:
         # an adapter another replica read is fetched from the object store, not read again
         # (deployments/shared_adapters.py); not on the in-step read path (the peer's arm)
         if shared_adapter_tier and not self._read_in_step and self.reporter.registry is not None:
-            self.engine.adapter_tier = RayAdapterTier(self.reporter.registry, self.model_name)
+            registry = self.reporter.registry
+            self.engine.adapter_tier = RayAdapterTier(registry, self.model_name, self.replica_id)
         # Ray's default router reads these; outside Serve there is nobody to tell.
         push = push_for_this_replica() if report_multiplexed_ids else None
         self._multiplex: MultiplexedIdReporter | None = None

@@ -255,8 +255,8 @@ class AdapterRegistry:
     def shared_get(self, key: Key) -> list | None:
         return self._shared.get(key)
 
-    def shared_put(self, key: Key, refs: list, num_bytes: int) -> bool:
-        return self._shared.put(key, refs, num_bytes)
+    def shared_put(self, key: Key, refs: list, num_bytes: int, owner: str = "") -> bool:
+        return self._shared.put(key, refs, num_bytes, owner)
 
     def shared_forget(self, key: Key) -> None:
         self._shared.forget(key)
@@ -281,11 +281,14 @@ class AdapterRegistry:
 
     def remove_replica(self, replica_id: str) -> None:
         self._state.remove_replica(replica_id)
+        self._shared.drop_owners({replica_id})  # its copies go with it
 
     def prune(self, live_replica_ids: list[str]) -> None:
         self._state.prune(live_replica_ids)
+        self._shared.drop_owners(self._shared.owners() - set(live_replica_ids))
 
     def snapshot(self) -> dict:
+        self._shared.drop_owners(set(self._state.expire_stale()))
         return self._state.snapshot()
 
 

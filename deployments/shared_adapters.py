@@ -36,13 +36,16 @@ Key = tuple[str, str, str]  # (model, adapter name, source)
 
 
 class SharedAdapterStore:
-    """key -> ([ref], bytes), least recently fetched first; kept within `budget_bytes` (an
-    adapter larger than the whole budget is not kept). Holding the ref is what keeps the
-    object alive: a dropped entry's object is freed once no replica is still fetching it."""
+    """key -> ([ref], bytes, owner), least recently fetched first; kept within `budget_bytes`
+    (an adapter larger than the whole budget is not kept). Holding the ref is what keeps the
+    object alive: a dropped entry's object is freed once no replica is still fetching it.
+    `owner` is the replica that put it: when the registry forgets a replica (it left, or
+    stopped reporting), its copies are dropped too, so no reader waits on a dead owner (on
+    the real app each such fetch cost about a second before it fell back to disk)."""
 
     def __init__(self, budget_bytes: int = DEFAULT_SHARED_TIER_BYTES) -> None:
         self.budget_bytes = int(budget_bytes)
-        self.entries: OrderedDict[Key, tuple[list[Any], int]] = OrderedDict()
+        self.entries: OrderedDict[Key, tuple[list[Any], int, str]] = OrderedDict()
         self.total_bytes = 0
         self.hits = self.misses = self.evictions = 0
 
@@ -55,7 +58,7 @@ class SharedAdapterStore:
         self.entries.move_to_end(key)
         return entry[0]
 
-    def put(self, key: Key, refs: list[Any], num_bytes: int) -> bool:
+    def put(self, key: Key, refs: list[Any], num_bytes: int, owner: str = "") -> bool:
         """Keep `refs` (a one-element list: Ray passes a bare ref by value) under `key`,
         replacing what was there; evict the least recently fetched to fit. False if the
         adapter alone is over the budget."""
@@ -63,10 +66,10 @@ class SharedAdapterStore:
         if num_bytes > self.budget_bytes:
             return False
         while self.entries and self.total_bytes + num_bytes > self.budget_bytes:
-            _, (_, size) = self.entries.popitem(last=False)
+            _, (_, size, _) = self.entries.popitem(last=False)
             self.total_bytes -= size
             self.evictions += 1
-        self.entries[key] = (refs, int(num_bytes))
+        self.entries[key] = (refs, int(num_bytes), owner)
         self.total_bytes += int(num_bytes)
         return True
 
@@ -77,7 +80,16 @@ class SharedAdapterStore:
 
     def drop_name(self, name: str) -> int:
         """Forget every key of adapter `name` (any model, any source); how many."""
-        keys = [k for k in self.entries if k[1] == name]
+        return self._drop([k for k in self.entries if k[1] == name])
+
+    def drop_owners(self, gone: set[str]) -> int:
+        """Forget the copies that the replicas in `gone` put; how many."""
+        return self._drop([k for k, e in self.entries.items() if e[2] in gone])
+
+    def owners(self) -> set[str]:
+        return {e[2] for e in self.entries.values()}
+
+    def _drop(self, keys: list[Key]) -> int:
         for key in keys:
             self.forget(key)
         return len(keys)
@@ -96,10 +108,20 @@ class SharedAdapterStore:
 class RayAdapterTier:
     """engine.lora.manager.AdapterTier over the registry actor's SharedAdapterStore."""
 
-    def __init__(self, registry: Any, model: str, timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        registry: Any,
+        model: str,
+        owner: str = "",
+        registry_timeout_s: float = 5.0,
+        timeout_s: float = 60.0,
+    ) -> None:
+        """owner: this replica's id (the registry drops its copies when it forgets it)."""
         self.registry = registry
         self.model = model
-        self.timeout_s = timeout_s
+        self.owner = owner
+        self.registry_timeout_s = registry_timeout_s  # a restarting registry: read from disk
+        self.timeout_s = timeout_s  # the copy itself (tens of MB across the network)
 
     def key(self, lora: LoRARequest) -> Key:
         return (self.model, lora.lora_name, lora.lora_path or "")
@@ -111,7 +133,7 @@ class RayAdapterTier:
 
         key = self.key(lora)
         try:
-            refs = ray.get(self.registry.shared_get.remote(key), timeout=self.timeout_s)
+            refs = ray.get(self.registry.shared_get.remote(key), timeout=self.registry_timeout_s)
         except Exception as e:  # no registry now: read from disk
             logger.warning("raylora: shared adapter tier unavailable (%s)", e)
             return None
@@ -133,6 +155,6 @@ class RayAdapterTier:
             # ref keeps it alive as long as the replica lives; after that a fetch fails, is
             # forgotten, and the next reader reads from disk and shares its own copy.
             ref = ray.put(adapter)
-            self.registry.shared_put.remote(self.key(lora), [ref], adapter.num_bytes())
+            self.registry.shared_put.remote(self.key(lora), [ref], adapter.num_bytes(), self.owner)
         except Exception as e:  # the adapter is read; only the sharing failed
             logger.warning("raylora: could not share %s (%s)", lora.lora_name, e)

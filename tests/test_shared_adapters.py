@@ -40,6 +40,16 @@ def test_store_keeps_the_most_recently_fetched_within_its_budget():
     assert store.stats()["adapters"] == 0 and store.total_bytes == 0
 
 
+def test_store_drops_the_copies_of_replicas_that_left():
+    store = SharedAdapterStore(budget_bytes=100)
+    store.put(("m", "a", "/a"), ["ra"], 10, owner="r1")
+    store.put(("m", "b", "/b"), ["rb"], 10, owner="r2")
+    store.put(("m", "c", "/c"), ["rc"], 10, owner="r1")
+    assert store.owners() == {"r1", "r2"}
+    assert store.drop_owners({"r1", "r9"}) == 2
+    assert store.get(("m", "b", "/b")) == ["rb"] and store.total_bytes == 10
+
+
 # -- the engine's read path --------------------------------------------------------------
 
 
@@ -123,7 +133,7 @@ def test_ray_tier_shares_a_replicas_read_until_it_goes(ray_cluster, tiny_model_d
             from deployments.registry import get_registry
 
             engine = LLMEngine(EngineConfig(model=model_dir, max_loras=2, max_lora_rank=16))
-            adapter = engine.read_lora(lora, RayAdapterTier(get_registry(), "tiny"))
+            adapter = engine.read_lora(lora, RayAdapterTier(get_registry(), "tiny", "reader-1"))
             return {k: (a.clone(), b.clone()) for k, (a, b) in adapter.weights.items()}
 
     def shared_count() -> int:
@@ -145,7 +155,12 @@ def test_ray_tier_shares_a_replicas_read_until_it_goes(ray_cluster, tiny_model_d
         assert torch.equal(got.weights[k][0], a) and torch.equal(got.weights[k][1], b)
     assert RayAdapterTier(registry, "other-model").fetch(lora) is None  # another model's key
 
-    ray.kill(reader)  # the owner of the copy goes
+    ray.get(registry.remove_replica.remote("reader-1"))  # the registry forgets the reader:
+    assert shared_count() == 0 and tier.fetch(lora) is None  # its copies go with it
+
+    ray.get(reader.read.remote(tiny_model_dir), timeout=240)  # a miss: read, shared again
+    wait_for(1)
+    ray.kill(reader)  # the owner of the copy dies without a word to the registry
     time.sleep(1)
     assert tier.fetch(lora) is None  # a miss, not an error: the caller reads from disk
     wait_for(0)
