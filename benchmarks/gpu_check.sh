@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-shot GPU check (each step has its own time limit; all of them add up to ~11 minutes, more
 # than one 10-minute device call: pick steps with ONLY, e.g. ONLY="engine_parity gpu_decode",
-# about 6 minutes, the check that matters most):
+# about 5 minutes, the check that matters most):
 #   1. engine_parity: the engine on CUDA with the Triton LoRA kernels against PEFT, issue 3's
 #      three-adapter workload (benchmarks/gpu_engine_check.py);
 #   2. gpu_decode: issue 17's GPU-grade decode (benchmarks/gpu_decode_check.py, at most ~4.5

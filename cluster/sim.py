@@ -114,7 +114,7 @@ def simulate(policy: str, cfg: SimConfig, *, check: bool = False) -> SimResult:
     # fleet-wide request counts, what a registry fed by every router would hold: read by
     # the replicas only with popularity eviction
     fleet = AdapterPopularity()
-    shared: dict[str, float] = {}  # the what-if shared tier: adapter -> in it from (ms)
+    shared: dict[str, float] = {}  # raylora's shared adapter tier: adapter -> in it from (ms)
     replicas = [
         Replica(f"replica-{i:03d}", cfg, check, top, fleet.count, shared)
         for i in range(cfg.num_replicas)

@@ -234,8 +234,8 @@ class AdapterRegistry:
     ) -> None:
         self._state = RegistryState(stale_after_s=stale_after_s, store=make_store(state_file))
         self._incarnation = uuid.uuid4().hex  # new at every (re)start
-        # the shared adapter tier's refs (deployments/shared_adapters.py); not durable: the
-        # objects this actor owns go with it, and the replicas read from disk again
+        # the shared adapter tier's refs (deployments/shared_adapters.py); not durable: after
+        # a restart the store is empty and the replicas read from disk and share again
         self._shared = SharedAdapterStore(shared_tier_bytes)
 
     def incarnation(self) -> str:

@@ -141,7 +141,7 @@ class RayAdapterTier:
             return None
         try:
             adapter = ray.get(refs[0], timeout=self.timeout_s)
-        except Exception as e:  # lost (its owner restarted) or too slow: forget it, read
+        except Exception as e:  # lost (its owner is gone) or too slow: forget it, read
             logger.warning("raylora: shared copy of %s unavailable (%s)", lora.lora_name, e)
             self.registry.shared_forget.remote(key)
             return None

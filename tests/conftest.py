@@ -28,6 +28,18 @@ def default_model_dir() -> str:
     return str(resolve_model("default"))
 
 
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster (Serve without HTTP) for one test module, shut down after it."""
+    from tests.serve_fixtures import start_ray, stop_ray
+
+    start_ray(None)
+    try:
+        yield
+    finally:
+        stop_ray()
+
+
 @pytest.fixture(autouse=True)
 def _restore_torch_threads():
     """A test that sets torch's thread count (the benchmark smoke tests run with --threads 1)

@@ -253,17 +253,6 @@ def test_filestore_missing_and_corrupt_records(tmp_path):
 # -- the actor on a local Ray cluster ----------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    from tests.serve_fixtures import start_ray, stop_ray
-
-    start_ray(None)
-    try:
-        yield
-    finally:
-        stop_ray()
-
-
 def _drop_registry() -> None:
     """Kill the registry for good and delete its GCS record: the next test starts fresh."""
     import ray

@@ -102,17 +102,6 @@ def test_a_second_engine_takes_the_adapter_from_the_tier(tiny_model_dir, tmp_pat
 # -- the Ray object store tier -------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    from tests.serve_fixtures import start_ray, stop_ray
-
-    start_ray(None)
-    try:
-        yield
-    finally:
-        stop_ray()
-
-
 def test_ray_tier_shares_a_replicas_read_until_it_goes(ray_cluster, tiny_model_dir, tmp_path):
     """An actor (a replica) reads the adapter and publishes it; the driver fetches the same
     weights; another model's key and a re-registration of the name get nothing; once the
