@@ -4,6 +4,8 @@
 # about 5 minutes, the check that matters most):
 #   1. engine_parity: the engine on CUDA with the Triton LoRA kernels against PEFT, issue 3's
 #      three-adapter workload (benchmarks/gpu_engine_check.py);
+#   0. cold_start: a fresh engine's first requests with and without the start-up warm-up
+#      (benchmarks/gpu_cold_start.py, ~1.5 min: four processes, each with an empty Triton cache);
 #   2. gpu_decode: issue 17's GPU-grade decode (benchmarks/gpu_decode_check.py, at most ~4.5
 #      minutes, a time limit per part, every figure in $LOG_DIR/gpu_decode_check.json): paged
 #      attention and graph-safe LoRA kernels replayed from graphs against their references;
@@ -64,10 +66,11 @@ else
     "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {
         echo "FAIL: no CUDA device visible (use --dry-run on CPU)"; exit 2; }
     export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+    step cold_start 150 "$PY" benchmarks/gpu_cold_start.py --json "$LOG_DIR/gpu_cold_start.json"
     step engine_parity 90 "$PY" benchmarks/gpu_engine_check.py
     # its parts' limits add up to 260 s; the rest is start-up
     step gpu_decode 290 "$PY" benchmarks/gpu_decode_check.py --json "$DECODE_JSON"
-    STEPS=(engine_parity gpu_decode)
+    STEPS=(cold_start engine_parity gpu_decode)
     step correctness 150 "$PY" benchmarks/lora_kernels.py --check
     step timings 60 "$PY" benchmarks/lora_kernels.py --no-check --model llama3-8b --dtype bfloat16
     step timings_ranks 60 "$PY" benchmarks/lora_kernels.py --no-check --model llama3-8b \

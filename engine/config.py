@@ -69,6 +69,9 @@ class EngineConfig:
     # vLLM's name: True runs every GPU decode step eagerly instead of replaying the CUDA graphs
     # captured at start-up (engine/cuda_graphs.py). The CPU always runs eagerly.
     enforce_eager: bool = False
+    # a few dummy requests through the engine before it serves, so the first real ones do not
+    # wait for Triton kernel compiles (engine/warmup.py). None: on CUDA only.
+    warm_up: bool | None = None
     scheduler: SchedulerConfig = field(init=False)
     cache: CacheConfig = field(init=False)
     lora: LoRAConfig = field(init=False)
@@ -93,6 +96,8 @@ class EngineConfig:
             )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.warm_up is not None and not isinstance(self.warm_up, bool):
+            raise ValueError(f"warm_up must be True, False or None, got {self.warm_up!r}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError("kv_cache_memory_gb must be > 0")
         u = self.gpu_memory_utilization

@@ -21,6 +21,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.structured import StructuredOutputManager
+from engine.warmup import warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,9 @@ class LLMEngine:
         # grammars of structured outputs; the sampler masks constrained rows with them
         self.structured = StructuredOutputManager(self.tokenizer, args.vocab_size, eos_token_ids)
         self.model_runner.sampler.structured = self.structured
+        self.warm_up_seconds = 0.0
+        if config.warm_up or (config.warm_up is None and self.model_runner.device.type == "cuda"):
+            self.warm_up_seconds = warm_up(self)
 
     # -- requests ---------------------------------------------------------------------
     def add_request(

@@ -1,0 +1,122 @@
+"""Start-up warm-up: a few dummy requests through the whole engine before it serves.
+
+On a GPU the first request of each kind compiles Triton kernels: the prefill's paged
+attention (with and without a cached prefix), the LoRA shrink/expand of a prefill, the
+device sampler's greedy, random and logprob paths. Each compile takes 0.1-1 s, so a fresh
+replica's first requests waited seconds (the H200 run of 2026-12-04: the engine's first
+timed run against HF generate included them). vLLM warms up at start-up for the same reason
+(`compile_or_warm_up_model`). The decode graphs are already compiled by their capture.
+
+The warm-up runs real requests through `add_request` / `step`, so it covers whatever the
+step runs, under a zero adapter of the largest rank (values do not change which kernels
+run), and then leaves no trace: the adapter is removed, the prefix cache and the counters
+the engine reports are reset, the sampler's generator is restored (an engine seeded with
+`seed` samples the same with or without a warm-up). `EngineConfig.warm_up` (None: on CUDA
+only; the CPU kernels are compiled C++, built before the first step) turns it on or off.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.lora.adapter import LoRAAdapter
+from engine.lora.request import LoRARequest
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+WARMUP_LORA = "__raylora_warmup__"
+# prompt lengths: odd and multiples of 16 (Triton specialises integer arguments on
+# divisibility by 16), a few tokens to a few blocks
+PROMPT_LENS = (5, 16, 37, 64)
+MAX_TOKENS = 4
+
+
+def zero_adapter(engine: LLMEngine, rank: int) -> LoRAAdapter:
+    """An adapter of `rank` on every module of every layer, all zeros: the LoRA kernels run
+    on every layer as under a real adapter, and the outputs equal the base model's."""
+    manager = engine.model_runner.lora_manager
+    assert manager is not None
+    spec = manager.spec
+    weights = {
+        (layer, module): (torch.zeros(rank, in_f), torch.zeros(out_f, rank))
+        for layer in range(spec.num_layers)
+        for module, (out_f, in_f) in spec.module_shapes.items()
+    }
+    modules = list(spec.module_shapes)
+    return LoRAAdapter(WARMUP_LORA, rank, float(rank), 1.0, modules, weights, "warm-up")
+
+
+def _prompt(n: int, vocab: int) -> dict:
+    return {"prompt_token_ids": [(i * 31 + 11) % vocab for i in range(n)]}
+
+
+def _counters(engine: LLMEngine) -> list[tuple[object, str]]:
+    """(object, attribute) of every counter `LLMEngine.stats()` reports."""
+    sched = engine.scheduler
+    out = [(sched.slots, a) for a in ("num_activations", "num_evictions", "num_hits")]
+    out += [(sched, "num_preemptions"), (engine.block_manager, "num_evictions")]
+    out += [(engine.block_manager.stats, a) for a in ("num_queries", "num_hits")]
+    manager = engine.model_runner.lora_manager
+    if manager is not None:
+        names = ("num_loads", "num_cpu_hits", "num_cpu_evictions", "num_shared_reads")
+        out += [(manager, a) for a in names]
+    return out
+
+
+def warm_up(engine: LLMEngine) -> float:
+    """Run the warm-up requests to completion and undo their traces; the seconds it took."""
+    t0 = time.perf_counter()
+    saved = [(obj, attr, getattr(obj, attr)) for obj, attr in _counters(engine)]
+    sampler = engine.model_runner.sampler
+    rng_state = sampler.generator.get_state()
+    vocab = engine.model_runner.args.vocab_size
+    lora = None
+    if engine.config.enable_lora:
+        lora = LoRARequest(WARMUP_LORA, 1, "warm-up")
+        engine.insert_lora(lora, zero_adapter(engine, engine.config.max_lora_rank))
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    kinds = [
+        greedy,
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, top_k=20,
+                       ignore_eos=True),
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=2, ignore_eos=True),
+    ]
+    n = 0
+
+    def run(batch: list[tuple[int, SamplingParams, LoRARequest | None]]) -> None:
+        nonlocal n
+        for length, params, lora_req in batch:
+            engine.add_request(f"__warmup-{n}", _prompt(length, vocab), params, lora_req)
+            n += 1
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    try:
+        adapters = [None, lora] if lora is not None else [None]
+        # one request alone (batch 1), then a mixed batch: every length, kind and adapter
+        run([(PROMPT_LENS[0], greedy, None)])
+        run([
+            (length, kinds[i % len(kinds)], adapters[i % len(adapters)])
+            for i, length in enumerate(PROMPT_LENS)
+        ] + [(PROMPT_LENS[-1], greedy, a) for a in adapters])
+        # the same prompts again: prefills that start after a cached prefix
+        if engine.config.enable_prefix_caching:
+            run([(PROMPT_LENS[-1], greedy, a) for a in adapters])
+    finally:
+        if lora is not None:
+            engine.remove_lora(WARMUP_LORA)
+        engine.reset_prefix_cache()
+        for obj, attr, value in saved:
+            setattr(obj, attr, value)
+        sampler.generator.set_state(rng_state)
+    seconds = time.perf_counter() - t0
+    logger.info("warm-up: %d requests in %.1f s", n, seconds)
+    return seconds
