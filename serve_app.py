@@ -76,6 +76,7 @@ ENGINE_ARGS: dict[str, Any] = {
     "kv_cache_memory_gb": float,
     "gpu_memory_utilization": float,
     "enforce_eager": _bool,
+    "warm_up": _bool,  # unset: on CUDA only (engine/warmup.py)
     "lora_backend": str,
     "lora_dtype": str,
     "lora_starvation_steps": int,
