@@ -26,6 +26,7 @@ import torch
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
+from raylora_kernels.paged_attention import choose_num_splits, paged_decode_attention_op
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
@@ -52,6 +53,47 @@ def zero_adapter(engine: LLMEngine, rank: int) -> LoRAAdapter:
     }
     modules = list(spec.module_shapes)
     return LoRAAdapter(WARMUP_LORA, rank, float(rank), 1.0, modules, weights, "warm-up")
+
+
+def attention_variants(
+    max_blocks: int, max_rows: int, num_kv_heads: int, num_sms: int
+) -> list[tuple[int, int]]:
+    """(table width, rows): one launch for each variant of the paged decode kernel that an
+    eager step (decode rows beside a prefill) can compile. Its split count (`NUM_SPLITS`, from
+    choose_num_splits) is a compile-time constant, and Triton specialises the width (an
+    integer argument, and the tables' row stride) on being 1 or a multiple of 16. The decode
+    graphs compiled theirs at capture; a mixed step's buckets take any width up to
+    max_blocks and any row count (engine/attention.py `_decode_batch`): on the H200 a first 64-request workload spent ~4.6 s in
+    these compiles after the request warm-up."""
+    seen: dict[tuple[int, bool, bool], tuple[int, int]] = {}
+    for width in range(1, max_blocks + 1):
+        for rows in range(1, max_rows + 1):
+            split = choose_num_splits(width, rows, num_kv_heads, num_sms)
+            seen.setdefault((split, width == 1, width % 16 == 0), (width, rows))
+    return list(seen.values())
+
+
+def _warm_decode_attention(engine: LLMEngine) -> int:
+    """Launch attention_variants on the GPU (scratch q/out, tables of the null block)."""
+    runner = engine.model_runner
+    if runner.device.type != "cuda" or runner.decode_attention is not paged_decode_attention_op:
+        return 0
+    a, dev, bs = runner.args, runner.device, runner.block_size
+    attn = runner.model.layers[0].self_attn
+    num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    max_blocks = -(-engine.config.max_model_len // bs)
+    variants = attention_variants(max_blocks, engine.config.max_num_seqs, a.num_kv_heads, num_sms)
+    for width, rows in variants:
+        # the dtypes engine/attention.py's _decode_batch passes: int32 tables and lens
+        q = torch.zeros(rows, a.num_heads, a.head_dim, dtype=runner.dtype, device=dev)
+        tables = torch.full((rows, width), runner.null_block, dtype=torch.int32, device=dev)
+        lens = torch.ones(rows, dtype=torch.int32, device=dev)
+        ids = torch.arange(rows, device=dev)
+        paged_decode_attention_op(
+            q, ids, attn.k_cache, attn.v_cache, tables, lens, bs, 1.0, torch.empty_like(q)
+        )
+    torch.cuda.synchronize(dev)
+    return len(variants)
 
 
 def _prompt(n: int, vocab: int) -> dict:
@@ -100,6 +142,7 @@ def warm_up(engine: LLMEngine) -> float:
             engine.step()
 
     try:
+        num_variants = _warm_decode_attention(engine)
         adapters = [None, lora] if lora is not None else [None]
         # one request alone (batch 1), then a mixed batch: every length, kind and adapter
         run([(PROMPT_LENS[0], greedy, None)])
@@ -118,5 +161,7 @@ def warm_up(engine: LLMEngine) -> float:
             setattr(obj, attr, value)
         sampler.generator.set_state(rng_state)
     seconds = time.perf_counter() - t0
-    logger.info("warm-up: %d requests in %.1f s", n, seconds)
+    logger.info(
+        "warm-up: %d requests, %d decode-attention variants in %.1f s", n, num_variants, seconds
+    )
     return seconds

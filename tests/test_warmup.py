@@ -72,3 +72,19 @@ def test_warm_up_without_lora_or_prefix_caching(tiny_model_dir):
 def test_warm_up_is_a_bool_or_none():
     with pytest.raises(ValueError, match="warm_up"):
         EngineConfig(warm_up="yes")
+
+
+def test_attention_variants_cover_every_eager_launch():
+    """Every (table width, rows) an eager step can launch compiles the same kernel variant
+    as one of the warm-up's launches: its split count and the width's specialisation."""
+    from engine.warmup import attention_variants
+    from raylora_kernels.paged_attention import choose_num_splits
+
+    def key(width: int, rows: int) -> tuple:
+        return (choose_num_splits(width, rows, 3, 132), width == 1, width % 16 == 0)
+
+    variants = attention_variants(256, 64, 3, 132)
+    covered = {key(w, r) for w, r in variants}
+    assert len(covered) == len(variants)  # one launch per variant
+    assert {key(w, r) for w in range(1, 257) for r in range(1, 65)} == covered
+    assert {s for s, _, _ in covered} == {1, 2, 4, 8, 16}
