@@ -33,16 +33,20 @@ DEFAULT_HALF_LIFE = 20_000  # requests: counts halve over this many routed reque
 DEFAULT_REPLAN_EVERY = 1_000  # requests between two placements, once counts are settled
 DEFAULT_FIRST_REPLAN = 32  # the first placements: at 32, 64, 128, ... requests
 DEFAULT_MIN_PLACED_COUNT = 16.0  # requests an adapter needs counted before it is placed
-DEFAULT_REPLICATION_HEADROOM = 1.5  # k = ceil(share * n * headroom)
+# k = ceil(share * n * headroom). An adapter that is not placed (k = 1: share <= 1/(headroom
+# n)) sits on one replica beside that replica's part of the rest, which puts the busiest near
+# 1 + 1/headroom times the mean when little else fills the others: 1.5 left 7 sweep runs over
+# the served max/mean bound of 1.3 (up to 1.46); 2.0 leaves none, for ~1-3% more slot loads
+# (sweep 31 -> 35 of 49 runs met; docs/routing.md). One value for the whole sweep.
+DEFAULT_REPLICATION_HEADROOM = 2.0
 DEFAULT_MIN_REPLICAS = 2  # an adapter is placed when its k is at least this
 DEFAULT_MIN_PLACED_SHARE = 0.0005  # below 1 request in 2,000 an adapter is not worth a slot
 DEFAULT_BALANCE_SLACK = 1.25  # a new home's placed traffic, over the mean placed traffic
 DEFAULT_REBALANCE_OVER = 1.3  # a replica's estimated adapter traffic over 1/n: move one off
-# adapters moved per plan (each move is one cold read). Off by default: in the simulator one
-# move a plan evens the served load (sweep max/mean misses 7 -> 2) but adds cold reads (cold
-# misses 8 -> 13), and on the real 4-replica Serve app (benchmarks/routing.py --adapters 40,
-# arm affinity_moves) it read 1.05x the adapters from disk while its effect on p99 was
-# within the noise (1.31x, then 0.89x the router without moves; docs/routing.md)
+# adapters moved per plan (each move is one read). Off by default: with headroom 2.0 the
+# simulator's sweep meets 36 of 49 runs with one move a plan against 35 without, and on the
+# real 4-replica Serve app (benchmarks/routing.py --adapters 40, arm affinity_moves) their
+# effect on p99 was 1.31x, 0.89x and 1.42x that of the router without them (docs/routing.md)
 DEFAULT_MAX_MOVES = 0
 
 Placement = Mapping[str, tuple[str, ...]]  # adapter -> its replicas, in preference order

@@ -44,7 +44,7 @@ def test_placement_by_hand():
 
     ids = ["r0", "r1", "r2", "r3"]
     shares = {"a": 0.4, "b": 0.1, "c": 0.05, "d": 0.0001}
-    cfg = PlacementConfig(max_loras=4)
+    cfg = PlacementConfig(max_loras=4, headroom=1.5)  # the numbers below
     assert plan_placement(shares, ids, cfg) == {"a": tuple(rendezvous_order("a", ids)[:3])}
     last = rendezvous_order("a", ids)[3]
     homes = plan_placement(shares, ids, cfg, holders={"a": [last]})["a"]
@@ -165,8 +165,9 @@ def test_rebalance_moves_the_adapter_that_best_evens_the_busiest_replica():
     ids = ["r0", "r1", "r2", "r3"]
     shares = {"b": 0.16, "c": 0.12, "d": 0.08, "e": 0.05, "f": 0.05, "g": 0.02}
     holders = {"b": ["r0"], "c": ["r0"], "d": ["r0"], "e": ["r1"], "f": ["r2"], "g": ["r3"]}
-    assert plan_placement(shares, ids, PlacementConfig(max_loras=4), holders) == {}  # the default
-    cfg = PlacementConfig(max_loras=4, max_moves=1)
+    no_moves = PlacementConfig(max_loras=4, headroom=1.5)  # max_moves: the default, 0
+    assert plan_placement(shares, ids, no_moves, holders) == {}
+    cfg = PlacementConfig(max_loras=4, headroom=1.5, max_moves=1)
     plc = plan_placement(shares, ids, cfg, holders)
     assert plc == {"b": ("r3",)}
     views = [ReplicaView(r, 0, frozenset(), frozenset()) for r in ids]
@@ -180,7 +181,7 @@ def test_rebalance_moves_the_adapter_that_best_evens_the_busiest_replica():
     calm = {**shares, "b": 0.10}
     assert plan_placement(calm, ids, cfg, {**holders, "b": ["r0"]}) == {}
     counts = {a: 15.0 for a in shares}
-    few = PlacementConfig(4, min_count=16, max_moves=1)
+    few = PlacementConfig(4, headroom=1.5, min_count=16, max_moves=1)
     assert plan_placement(shares, ids, few, holders, counts) == {}
 
 
@@ -189,6 +190,6 @@ def test_a_moved_adapter_that_turns_hot_is_placed_with_its_holders_first():
     from deployments.placement import PlacementConfig, plan_placement
 
     ids = ["r0", "r1", "r2", "r3"]
-    cfg = PlacementConfig(max_loras=4, max_moves=1)
+    cfg = PlacementConfig(max_loras=4, headroom=1.5, max_moves=1)
     plc = plan_placement({"b": 0.4}, ids, cfg, {"b": ["r3", "r0"]}, prev={"b": ("r3",)})
     assert len(plc["b"]) == 3 and set(plc["b"][:2]) == {"r0", "r3"}

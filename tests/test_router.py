@@ -273,7 +273,7 @@ def test_base_requests_with_a_shared_system_prompt_stay_on_one_replica():
 def test_placement_counts_routed_requests_and_grows_a_hot_adapter_onto_its_homes():
     """With max_loras known (the kwarg, or the replicas' routing stats), the router counts
     what it routes; after a replan, a hot adapter (half the traffic over 6 replicas:
-    k = ceil(0.5 x 6 x 1.5) = 5) stays first on the replica it was sent to, then grows onto
+    k = ceil(0.5 x 6 x 2) = 6) stays first on the replica it was sent to, then grows onto
     one more of its homes at a time (the next tier), then the other homes."""
     for kwargs, stats in (({"max_loras": 4}, None), ({}, 4)):
         router = make_router(use_registry=False, replan_every=10, **kwargs)
@@ -296,7 +296,7 @@ def test_placement_counts_routed_requests_and_grows_a_hot_adapter_onto_its_homes
         assert tiers[0] == [holder]
         assert len(tiers[1]) == 1 and tiers[1] != [holder]
         homes = {holder, *tiers[1], *tiers[2]}
-        assert len(homes) == 5 and len(tiers[2]) == 3
+        assert len(homes) == 6 and len(tiers[2]) == 4
 
 
 def test_no_placement_without_a_slot_count():
@@ -314,7 +314,7 @@ def test_no_placement_without_a_slot_count():
     set_load(router, reps[IDS.index(holder)], 20)  # over the bound: placed, it would grow
     tiers = route(router, reps, "ad-9")
     assert [r.replica_id.unique_id for r in tiers[0]] == [holder]
-    # learnt from the routing stats: placed now (k = ceil(1 x 6 x 1.5) = 6), the next home
+    # learnt from the routing stats: placed now (k = ceil(1 x 6 x 2) = 6), the next home
     # under the bound comes first
     for r in reps:
         r.routing_stats["max_loras"] = 4
