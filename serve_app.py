@@ -112,6 +112,12 @@ APP_ARGS: dict[str, tuple[Any, Any, str]] = {
         "replicas report their CPU-cache adapters as Serve multiplexed model ids "
         "(what @serve.multiplexed does; Ray's default router then prefers holders)",
     ),
+    "shared_adapter_tier": (
+        _bool,
+        True,
+        "the first replica to read an adapter shares it through the Ray object store; the "
+        "others fetch it instead of reading it cold (deployments/shared_adapters.py)",
+    ),
     "report_interval_s": (float, 5.0, "how often replicas re-report to the registry"),
     "shutdown_timeout_s": (float, 30.0, "graceful shutdown: wait for in-flight requests"),
     "health_check_period_s": (
@@ -196,6 +202,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         shutdown_timeout_s=opts["shutdown_timeout_s"],
         registry_state_file=opts["registry_state_file"],
         report_multiplexed_ids=opts["report_multiplexed_ids"],
+        shared_adapter_tier=opts["shared_adapter_tier"],
     )
     ingress = serve.deployment(
         serve.ingress()(Ingress),

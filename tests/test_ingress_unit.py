@@ -373,9 +373,12 @@ def test_build_app_args():
             "adapters": "a=hub/a,b=org/b",
             "adapter_roots": "/x,/y",
             "demo_adapters": "true",
+            "shared_adapter_tier": "false",
         }
     )
     assert engine == {"model": "/m", "max_loras": 3}
+    assert opts["shared_adapter_tier"] is False
+    assert serve_app.parse_args({})[1]["shared_adapter_tier"] is True  # on unless turned off
     assert opts["num_replicas"] == 4 and opts["num_cpus"] == 0.25
     assert opts["adapters"] == {"a": "hub/a", "b": "org/b"}
     assert opts["adapter_roots"] == ["/x", "/y"] and opts["demo_adapters"] is True
