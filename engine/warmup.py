@@ -124,18 +124,21 @@ def warm_up(engine: LLMEngine) -> float:
     if engine.config.enable_lora:
         lora = LoRARequest(WARMUP_LORA, 1, "warm-up")
         engine.insert_lora(lora, zero_adapter(engine, engine.config.max_lora_rank))
-    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    max_len = engine.config.max_model_len
+    steps = max(1, min(MAX_TOKENS, max_len - 1))  # tokens each warm-up request generates
+    greedy = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     kinds = [
         greedy,
-        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, top_k=20,
+        SamplingParams(max_tokens=steps, temperature=0.8, top_p=0.9, top_k=20,
                        ignore_eos=True),
-        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=steps, temperature=0.0, logprobs=2, ignore_eos=True),
     ]
     n = 0
 
     def run(batch: list[tuple[int, SamplingParams, LoRARequest | None]]) -> None:
         nonlocal n
         for length, params, lora_req in batch:
+            length = max(1, min(length, max_len - steps))  # a model of few positions
             engine.add_request(f"__warmup-{n}", _prompt(length, vocab), params, lora_req)
             n += 1
         while engine.has_unfinished_requests():

@@ -88,3 +88,10 @@ def test_attention_variants_cover_every_eager_launch():
     assert len(covered) == len(variants)  # one launch per variant
     assert {key(w, r) for w in range(1, 257) for r in range(1, 65)} == covered
     assert {s for s, _, _ in covered} == {1, 2, 4, 8, 16}
+
+
+def test_warm_up_fits_a_short_model(tiny_model_dir):
+    """Prompts and outputs are cut to max_model_len: engines of 8 and of 2 positions warm up."""
+    for max_len in (8, 2):
+        engine = make_engine(tiny_model_dir, True, max_model_len=max_len, enable_lora=False)
+        assert engine.warm_up_seconds > 0 and engine.stats()["num_running"] == 0
