@@ -238,10 +238,10 @@ class LLMServer:
         return {"prompt_token_ids": ids, "prompt": text}, len(ids)
 
     def _token_text(self, token_id: int) -> str:
-        tokenizer = getattr(self.engine, "tokenizer", None)
-        if tokenizer is None:
+        """A logprob's text: HF's decode([id]) by the detokenizer's Rust decode (ids_decoder)."""
+        if getattr(self.engine, "tokenizer", None) is None:
             return f"token_id:{token_id}"  # vLLM's return_tokens_as_token_ids form
-        return tokenizer.decode([token_id])
+        return self.engine.engine.output_processor.decode([token_id], skip_special_tokens=False)
 
     # ------------------------------------------------------------------ adapters
 

@@ -123,3 +123,19 @@ def test_unknown_adapter_and_bad_values_are_api_errors(tiny_model_dir):
         (400, None),
     ]
     assert ok.finished and len(ok.outputs[0].token_ids) == 3
+
+
+def test_logprob_token_text_is_hf_decode(tiny_model_dir):
+    """A logprob's token text (the fast Rust decode) is HF's decode([id]) for every id of the
+    vocabulary, special tokens included (skip_special_tokens=False, HF's default)."""
+
+    async def run():
+        server = await _server(tiny_model_dir, {})
+        tok = server.engine.tokenizer
+        try:
+            return [(server._token_text(i), tok.decode([i])) for i in range(len(tok))]
+        finally:
+            await server.engine.shutdown(1.0)
+
+    pairs = asyncio.run(run())
+    assert len(pairs) > 100 and all(ours == hf for ours, hf in pairs)
