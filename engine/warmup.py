@@ -1,18 +1,22 @@
 """Start-up warm-up: a few dummy requests through the whole engine before it serves.
 
-On a GPU the first request of each kind compiles Triton kernels: the prefill's paged
-attention (with and without a cached prefix), the LoRA shrink/expand of a prefill, the
-device sampler's greedy, random and logprob paths. Each compile takes 0.1-1 s, so a fresh
-replica's first requests waited seconds (the H200 run of 2026-12-04: the engine's first
-timed run against HF generate included them). vLLM warms up at start-up for the same reason
+On a GPU a fresh replica's first request of each kind paid one-off costs in its latency:
+Triton compiles (the LoRA shrink/expand of a prefill, the paged decode attention of eager
+mixed steps, each variant its own compile of 0.1-1 s) and the first use of torch's kernels
+(prefill attention, sampling). On an H200 (2026-12-04, benchmarks/gpu_cold_start.py, empty
+Triton cache) an adapter's first request took 1.4-1.8 s against ~95 ms warm; with this
+warm-up, 0.15-0.22 s. vLLM warms up at start-up for the same reason
 (`compile_or_warm_up_model`). The decode graphs are already compiled by their capture.
 
 The warm-up runs real requests through `add_request` / `step`, so it covers whatever the
 step runs, under a zero adapter of the largest rank (values do not change which kernels
-run), and then leaves no trace: the adapter is removed, the prefix cache and the counters
-the engine reports are reset, the sampler's generator is restored (an engine seeded with
-`seed` samples the same with or without a warm-up). `EngineConfig.warm_up` (None: on CUDA
-only; the CPU kernels are compiled C++, built before the first step) turns it on or off.
+run), and launches each variant of the paged decode kernel an eager step can reach
+(`attention_variants`). Then it leaves no trace: the adapter is removed, the prefix cache and
+the counters the engine reports are reset, the sampler's generator is restored (an engine
+seeded with `seed` samples the same with or without a warm-up). `EngineConfig.warm_up`
+(None: on CUDA only; the CPU kernels are compiled C++, built before the first step) turns it
+on or off. A warm-up that fails fails the engine's construction: its kernels are the ones
+the requests would run.
 """
 
 from __future__ import annotations
@@ -144,25 +148,23 @@ def warm_up(engine: LLMEngine) -> float:
         while engine.has_unfinished_requests():
             engine.step()
 
-    try:
-        num_variants = _warm_decode_attention(engine)
-        adapters = [None, lora] if lora is not None else [None]
-        # one request alone (batch 1), then a mixed batch: every length, kind and adapter
-        run([(PROMPT_LENS[0], greedy, None)])
-        run([
-            (length, kinds[i % len(kinds)], adapters[i % len(adapters)])
-            for i, length in enumerate(PROMPT_LENS)
-        ] + [(PROMPT_LENS[-1], greedy, a) for a in adapters])
-        # the same prompts again: prefills that start after a cached prefix
-        if engine.config.enable_prefix_caching:
-            run([(PROMPT_LENS[-1], greedy, a) for a in adapters])
-    finally:
-        if lora is not None:
-            engine.remove_lora(WARMUP_LORA)
-        engine.reset_prefix_cache()
-        for obj, attr, value in saved:
-            setattr(obj, attr, value)
-        sampler.generator.set_state(rng_state)
+    num_variants = _warm_decode_attention(engine)
+    adapters = [None, lora] if lora is not None else [None]
+    # one request alone (batch 1), then a mixed batch: every length, kind and adapter
+    run([(PROMPT_LENS[0], greedy, None)])
+    run([
+        (length, kinds[i % len(kinds)], adapters[i % len(adapters)])
+        for i, length in enumerate(PROMPT_LENS)
+    ] + [(PROMPT_LENS[-1], greedy, a) for a in adapters])
+    # the same prompts again: prefills that start after a cached prefix
+    if engine.config.enable_prefix_caching:
+        run([(PROMPT_LENS[-1], greedy, a) for a in adapters])
+    if lora is not None:
+        engine.remove_lora(WARMUP_LORA)
+    engine.reset_prefix_cache()
+    for obj, attr, value in saved:
+        setattr(obj, attr, value)
+    sampler.generator.set_state(rng_state)
     seconds = time.perf_counter() - t0
     logger.info(
         "warm-up: %d requests, %d decode-attention variants in %.1f s", n, num_variants, seconds
