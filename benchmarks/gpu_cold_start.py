@@ -55,9 +55,10 @@ def child(args: argparse.Namespace) -> None:
         return {"prompt_token_ids": [(i * 977 + j * 13 + 5) % vocab for j in range(n)]}
 
     def timed(batch: list[tuple[int, object, object]], tag: str) -> float:
-        t = time.perf_counter()
+        # prompts from the tag's characters: the same in every arm's process (hash() is not)
+        t, salt = time.perf_counter(), sum(map(ord, tag))
         for k, (n, params, lr) in enumerate(batch):
-            engine.add_request(f"{tag}-{k}", prompt(hash(tag) % 1000 + k, n), params, lr)
+            engine.add_request(f"{tag}-{k}", prompt(salt + k, n), params, lr)
         while engine.has_unfinished_requests():
             engine.step()
         return time.perf_counter() - t
@@ -89,6 +90,7 @@ def main() -> int:
         child(args)
         return 0
     sys.path.insert(0, str(REPO))
+    from benchmarks.common import ALL_LINEARS
     from benchmarks.gpu_decode_check import DRY, GPU
     from benchmarks.gpu_decode_models import write_random_adapter
     from engine.models.llama import ModelArgs
@@ -99,8 +101,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="raylora-cold-"))
     model = make_tiny_llama(tmp / "model", **scale.smollm2)
     margs = ModelArgs.from_hf_config(load_model_config(model))
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    lora = write_random_adapter(tmp / "a0", margs, 16, targets, seed=0)
+    lora = write_random_adapter(tmp / "a0", margs, 16, ALL_LINEARS, seed=0)
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     if args.dry_run:
         env.update(TRITON_INTERPRET="1", RAYLORA_CPU_KERNEL="0", CUDA_VISIBLE_DEVICES="")
