@@ -67,8 +67,9 @@ def attention_variants(
     choose_num_splits) is a compile-time constant, and Triton specialises the width (an
     integer argument, and the tables' row stride) on being 1 or a multiple of 16. The decode
     graphs compiled theirs at capture; a mixed step's buckets take any width up to
-    max_blocks and any row count (engine/attention.py `_decode_batch`): on the H200 a first 64-request workload spent ~4.6 s in
-    these compiles after the request warm-up."""
+    max_blocks and any row count (engine/attention.py `_decode_batch`). On the H200 these
+    launches took a first 64-request workload from 5.5 to 4.2 s (~1 s warm): the rest of
+    its first-run cost is something else, not identified (docs/benchmarks.md)."""
     seen: dict[tuple[int, bool, bool], tuple[int, int]] = {}
     for width in range(1, max_blocks + 1):
         for rows in range(1, max_rows + 1):
