@@ -29,6 +29,7 @@ from deployments.ingress import Ingress
 from deployments.llm_server import LLMServer
 
 API_KEY_ENV = "RAYLORA_API_KEY"
+DEFAULT_MAX_NUM_SEQS = 64  # EngineConfig's (no engine, so no torch, imported here)
 
 
 def _bool(value: str | bool) -> bool:
@@ -168,20 +169,27 @@ def parse_args(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return engine, opts
 
 
+def router_kwargs(engine: dict[str, Any], opts: dict[str, Any]) -> dict[str, Any]:
+    """The AdapterAffinityRouter's request_router_kwargs for these engine arguments."""
+    kwargs = {k: opts[k] for k in ("load_bound_c", "min_load_bound") if opts[k] is not None}
+    if "max_loras" in engine:  # else the placement learns it from the routing stats
+        kwargs["max_loras"] = engine["max_loras"]
+    # a full batch is over the load bound (routing_policy.load_bound)
+    kwargs["max_batch"] = engine.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
+    return kwargs
+
+
 def build_app(args: dict[str, Any]) -> serve.Application:
     """The raylora app: OpenAI ingress -> LLMServer replicas (see the module docstring)."""
     engine, opts = parse_args(args)
     router_config = None
+    max_num_seqs = engine.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
     if opts["router"] == "affinity" and importlib.util.find_spec("deployments.router"):
-        kwargs = {k: opts[k] for k in ("load_bound_c", "min_load_bound") if opts[k] is not None}
-        if "max_loras" in engine:  # else the placement learns it from the routing stats
-            kwargs["max_loras"] = engine["max_loras"]
         router_config = RequestRouterConfig(
             request_router_class="deployments.router:AdapterAffinityRouter",
-            request_router_kwargs=kwargs,
+            request_router_kwargs=router_kwargs(engine, opts),
             request_routing_stats_period_s=opts["routing_stats_period_s"],
         )
-    max_num_seqs = engine.get("max_num_seqs", 64)
     llm_options: dict[str, Any] = {
         "name": "LLMServer",
         "num_replicas": opts["num_replicas"],

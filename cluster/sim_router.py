@@ -92,6 +92,7 @@ class Router:
                 min_load_bound=self.cfg.min_load_bound,
                 rng=rng,
                 home=home,
+                max_batch=self.cfg.max_num_seqs,  # what the replicas report (LLMServer)
             )
             tiers = [[self.by_id[v.replica_id] for v in t] for t in ranked]
         elif self.policy == "affinity_hash":

@@ -89,6 +89,7 @@ class LLMServer:
         config = EngineConfig(**engine_config)
         self.engine = AsyncLLMEngine(config)
         self._max_loras = int(config.max_loras)
+        self._max_num_seqs = int(config.max_num_seqs)
         # Eviction of slots and CPU cache: "frequency" = the idle adapter this replica was
         # asked for least (decayed counts); "lru" = vLLM's. read_adapters_in_step: skip the
         # read in a worker thread, so the engine reads a missing adapter inside the step, as
@@ -323,6 +324,7 @@ class LLMServer:
             "num_waiting": int(stats["num_waiting"]),
             "engine_dead": bool(self.engine.errored),  # the router routes around it
             "max_loras": self._max_loras,  # the placement's slot count (deployments/placement.py)
+            "max_num_seqs": self._max_num_seqs,  # a full batch is over the load bound
         }
 
     def record_autoscaling_stats(self) -> dict[str, float]:

@@ -41,7 +41,11 @@ Configure through `request_router_config.request_router_kwargs`, which Ray passe
     registry_refresh_s (2.0), registry_max_age_s (30.0),
     use_registry (True), seed (None), max_loras (None), use_placement (True),
     popularity_half_life (20000), replan_every (1000), first_replan (32),
-    min_placed_count (16), rebalance_over (1.3), max_moves (0).
+    min_placed_count (16), rebalance_over (1.3), max_moves (0), max_batch (None).
+
+max_batch: a replica with this many requests is over the load bound whatever the mean
+(routing_policy.load_bound); None: the smallest `routing_stats["max_num_seqs"]` the replicas
+report (their engines' batch size), no cap while none reports it.
 """
 
 from __future__ import annotations
@@ -130,6 +134,7 @@ class AdapterAffinityRouter(RequestRouter):
         min_placed_count: float = DEFAULT_MIN_PLACED_COUNT,
         rebalance_over: float = DEFAULT_REBALANCE_OVER,
         max_moves: int = DEFAULT_MAX_MOVES,
+        max_batch: int | None = None,
     ) -> None:
         if load_bound_c < 1.0:
             raise ValueError(f"load_bound_c must be >= 1, got {load_bound_c}")
@@ -148,6 +153,9 @@ class AdapterAffinityRouter(RequestRouter):
         self._min_placed_count = float(min_placed_count)
         self._rebalance_over = float(rebalance_over)
         self._max_moves = int(max_moves)
+        if max_batch is not None and int(max_batch) < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self._max_batch = None if max_batch is None else int(max_batch)
         # what the placement counts: every routed request, from the first one; the planner
         # is made when the slot count is known (the kwarg, or the replicas' routing stats)
         self._popularity = AdapterPopularity(self._half_life)
@@ -249,6 +257,14 @@ class AdapterAffinityRouter(RequestRouter):
         ids = [r.replica_id.unique_id for r in candidates]
         return self._planner.placement(ids, lambda: holders(views)).get(adapter_id)
 
+    def _batch_size(self, candidates: list[RunningReplica]) -> int | None:
+        """The kwarg, else the smallest max_num_seqs the replicas report (None: none does)."""
+        if self._max_batch is not None:
+            return self._max_batch
+        reported = [(r.routing_stats or {}).get("max_num_seqs") for r in candidates]
+        known = [int(m) for m in reported if m]
+        return min(known) if known else None
+
     @property
     def popularity(self) -> AdapterPopularity:
         """The request counts the placement uses (kept from the first routed request)."""
@@ -312,6 +328,7 @@ class AdapterAffinityRouter(RequestRouter):
             count_slack=self._count_slack,
             rng=self._rng,
             home=self._home(adapter_id, candidate_replicas, views),
+            max_batch=self._batch_size(candidate_replicas),
         )
         self._note_new_read(adapter_id, tiers)
         return [[by_id[v.replica_id] for v in tier] for tier in tiers]

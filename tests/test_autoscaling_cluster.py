@@ -121,6 +121,14 @@ def test_record_autoscaling_stats_shape(llm):
     assert all(isinstance(v, float) for v in stats.values())
 
 
+def test_record_routing_stats_reports_what_the_router_bounds_on(llm):
+    """The AdapterAffinityRouter's placement takes max_loras, its load bound max_num_seqs."""
+    stats = llm.record_routing_stats.remote().result()
+    assert stats["max_loras"] == ENGINE["max_loras"]
+    assert stats["max_num_seqs"] == ENGINE["max_num_seqs"]
+    assert stats["engine_dead"] is False and stats["num_running"] >= 0
+
+
 def test_scales_up_under_adapter_load_and_back_down(llm):
     assert num_running_replicas() == 1
     stop, done, errors = threading.Event(), [], []

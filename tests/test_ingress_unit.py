@@ -389,6 +389,22 @@ def test_build_app_args():
     assert serve_app.build_app({"num_replicas": "1"}) is not None
 
 
+def test_router_kwargs_bound_a_replica_by_its_batch():
+    import dataclasses
+
+    import serve_app
+    from engine.config import EngineConfig
+
+    default = {f.name: f.default for f in dataclasses.fields(EngineConfig)}["max_num_seqs"]
+    engine, opts = serve_app.parse_args({"max_loras": "3", "max_num_seqs": "12"})
+    assert serve_app.router_kwargs(engine, opts) == {"max_loras": 3, "max_batch": 12}
+    engine, opts = serve_app.parse_args({"min_load_bound": "2"})
+    assert serve_app.router_kwargs(engine, opts) == {
+        "min_load_bound": 2,
+        "max_batch": default,  # serve_app's copy of EngineConfig's default holds
+    }
+
+
 def test_build_app_takes_every_engine_config_field():
     import dataclasses
 

@@ -320,3 +320,26 @@ def test_no_placement_without_a_slot_count():
         r.routing_stats["max_loras"] = 4
     tiers = route(router, reps, "ad-9")
     assert tiers[0][0].replica_id.unique_id != holder
+
+
+def test_a_full_batch_is_over_the_bound_when_the_replicas_report_their_batch_size():
+    """A replica running max_num_seqs requests (its routing stats) is full even while a busy
+    fleet lifts the mean bound over it: a new adapter goes elsewhere, where it starts now.
+    Loads 8, 7, 7, 7, 7, 7: bound ceil(1.25 x 44 / 6) = 10 without the cap."""
+    for kwargs, reported, full_is_picked in (
+        ({}, None, True),  # nothing reported: no cap, the emptiest replica wins
+        ({}, 8, False),
+        ({"max_batch": 8}, None, False),
+        ({"max_batch": 9}, 8, True),  # the kwarg wins over the reports
+    ):
+        router = make_router(use_registry=False, **kwargs)
+        reps = [
+            FakeReplica(i, cpu=[] if i == "r0" else [f"old-{i}"], running=8 if i == "r0" else 7)
+            for i in IDS
+        ]
+        if reported:
+            for r in reps:
+                r.routing_stats["max_num_seqs"] = reported
+        assert (first_choice(router, reps, "new-ad") == "r0") is full_is_picked, kwargs
+    with pytest.raises(ValueError, match="max_batch"):
+        make_router(max_batch=0)

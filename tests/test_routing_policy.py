@@ -30,10 +30,17 @@ def ref_order(adapter: str, ids: list[str]) -> list[str]:
     return sorted(ids, key=lambda r: (-score(r), r))
 
 
-def ref_rank(adapter: str, replicas: list[ReplicaView], c: float, min_bound: int) -> list[str]:
-    """Brute force of the documented tiers: ids of tiers 0-2 (single replicas)."""
+def ref_bound(replicas: list[ReplicaView], c: float, min_bound: int, max_batch=None) -> int:
     n, total = len(replicas), sum(r.load for r in replicas)
     bound = max(1, min_bound, math.ceil(c * (total + 1) / n))
+    return bound if max_batch is None else max(1, min(bound, max_batch))
+
+
+def ref_rank(
+    adapter: str, replicas: list[ReplicaView], c: float, min_bound: int, max_batch=None
+) -> list[str]:
+    """Brute force of the documented tiers: ids of tiers 0-2 (single replicas)."""
+    bound = ref_bound(replicas, c, min_bound, max_batch)
     by_id = {r.replica_id: r for r in replicas}
     under = [by_id[i] for i in ref_order(adapter, list(by_id)) if by_id[i].load + 1 <= bound]
     picks = [
@@ -89,6 +96,10 @@ def test_load_bound_idle_and_busy():
     assert load_bound(159, 16, 1.25) == math.ceil(1.25 * 160 / 16)
     assert load_bound(3, 4, 1.25, min_bound=4) == 4  # light load: nobody is "full" yet
     assert load_bound(159, 16, 1.25, min_bound=4) == math.ceil(1.25 * 160 / 16)
+    # a full batch is full whatever the mean, and wins over min_bound
+    assert load_bound(159, 16, 1.25, min_bound=4, max_batch=8) == 8
+    assert load_bound(3, 4, 1.25, min_bound=4, max_batch=2) == 2
+    assert load_bound(0, 16, 1.25, max_batch=8) == 1
 
 
 @settings(max_examples=300, deadline=None)
@@ -99,8 +110,9 @@ def test_load_bound_idle_and_busy():
     key=st.sampled_from(["prefix:a", "prefix:b", "prefix:hot"]),
     c=st.sampled_from([1.0, 1.1, 1.25, 2.0]),
     min_bound=st.sampled_from([1, 2, 4]),
+    max_batch=st.sampled_from([None, 1, 3, 6]),
 )
-def test_prefix_keys_walk_their_order(loads, slot_mask, cpu_mask, key, c, min_bound):
+def test_prefix_keys_walk_their_order(loads, slot_mask, cpu_mask, key, c, min_bound, max_batch):
     replicas = [
         view(
             f"r{i}",
@@ -111,12 +123,18 @@ def test_prefix_keys_walk_their_order(loads, slot_mask, cpu_mask, key, c, min_bo
         for i, load in enumerate(loads)
     ]
     tiers = rank_replicas(
-        key, replicas, load_bound_c=c, min_load_bound=min_bound, rng=random.Random(0)
+        key,
+        replicas,
+        load_bound_c=c,
+        min_load_bound=min_bound,
+        rng=random.Random(0),
+        max_batch=max_batch,
     )
     flat = [r.replica_id for t in tiers for r in t]
     assert sorted(flat) == sorted(r.replica_id for r in replicas)  # each replica exactly once
-    singles = ref_rank(key, replicas, c, min_bound)
-    assert singles, "with integer loads some replica is always under the bound"
+    singles = ref_rank(key, replicas, c, min_bound, max_batch)
+    if max_batch is None:
+        assert singles, "with integer loads some replica is always under the bound"
     assert [t[0].replica_id for t in tiers[: len(singles)]] == singles
     assert all(len(t) == 1 for t in tiers[: len(singles)])
     rest = tiers[len(singles) :]
@@ -125,10 +143,9 @@ def test_prefix_keys_walk_their_order(loads, slot_mask, cpu_mask, key, c, min_bo
     )
 
 
-def ref_rank_adapter(adapter, replicas, c, min_bound, slack, home):
+def ref_rank_adapter(adapter, replicas, c, min_bound, slack, home, max_batch=None):
     """Brute force of the documented adapter tiers, as sets of ids (None: empty tier)."""
-    n, total = len(replicas), sum(r.load for r in replicas)
-    bound = max(1, min_bound, math.ceil(c * (total + 1) / n))
+    bound = ref_bound(replicas, c, min_bound, max_batch)
     order = {rid: i for i, rid in enumerate(ref_order(adapter, [r.replica_id for r in replicas]))}
     under = [r for r in replicas if r.load + 1 <= bound]
     slot = {r.replica_id for r in replicas if adapter in r.adapters_in_slots}
@@ -174,9 +191,10 @@ def ref_rank_adapter(adapter, replicas, c, min_bound, slack, home):
     c=st.sampled_from([1.0, 1.25, 2.0]),
     min_bound=st.sampled_from([1, 4]),
     slack=st.sampled_from([0.0, 0.05, 0.5]),
+    max_batch=st.sampled_from([None, 2, 6]),
 )
 def test_rank_adapter_matches_reference(
-    loads, slot_mask, cpu_mask, home_mask, others, c, min_bound, slack
+    loads, slot_mask, cpu_mask, home_mask, others, c, min_bound, slack, max_batch
 ):
     a = "ad"
     replicas = [
@@ -198,8 +216,9 @@ def test_rank_adapter_matches_reference(
         count_slack=slack,
         rng=random.Random(0),
         home=home,
+        max_batch=max_batch,
     )
-    expected = ref_rank_adapter(a, replicas, c, min_bound, slack, home)
+    expected = ref_rank_adapter(a, replicas, c, min_bound, slack, home, max_batch)
     assert [{r.replica_id for r in t} for t in tiers] == expected
     for t in tiers:  # within a tier Ray takes the least loaded: any order is fine
         assert len({r.replica_id for r in t}) == len(t)
