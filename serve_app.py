@@ -119,6 +119,12 @@ APP_ARGS: dict[str, tuple[Any, Any, str]] = {
         "the first replica to read an adapter shares it through the Ray object store; the "
         "others fetch it instead of reading it cold (deployments/shared_adapters.py)",
     ),
+    "shared_tier_mb": (
+        int,
+        None,
+        "object-store MiB the registry keeps shared adapters in (default 2048; set where the "
+        "registry is first created: a running one keeps its budget)",
+    ),
     "report_interval_s": (float, 5.0, "how often replicas re-report to the registry"),
     "shutdown_timeout_s": (float, 30.0, "graceful shutdown: wait for in-flight requests"),
     "health_check_period_s": (
@@ -162,6 +168,8 @@ def parse_args(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     state_file = opts["registry_state_file"]
     if state_file is not None and not os.path.isabs(state_file):
         raise ValueError(f"registry_state_file must be an absolute path, got {state_file!r}")
+    if opts["shared_tier_mb"] is not None and opts["shared_tier_mb"] < 0:
+        raise ValueError(f"shared_tier_mb must be >= 0, got {opts['shared_tier_mb']}")
     for name, path in opts["adapters"].items():
         local = path.startswith(("/", ".", "~")) or path.count("/") > 1
         if local and not (Path(path).expanduser() / "adapter_config.json").is_file():
@@ -184,6 +192,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     engine, opts = parse_args(args)
     router_config = None
     max_num_seqs = engine.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
+    mb = opts["shared_tier_mb"]
+    shared_tier_bytes = None if mb is None else mb << 20
     if opts["router"] == "affinity" and importlib.util.find_spec("deployments.router"):
         router_config = RequestRouterConfig(
             request_router_class="deployments.router:AdapterAffinityRouter",
@@ -211,6 +221,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         registry_state_file=opts["registry_state_file"],
         report_multiplexed_ids=opts["report_multiplexed_ids"],
         shared_adapter_tier=opts["shared_adapter_tier"],
+        shared_tier_bytes=shared_tier_bytes,
     )
     ingress = serve.deployment(
         serve.ingress()(Ingress),
@@ -225,6 +236,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         api_key=opts["api_key"],
         adapter_roots=opts["adapter_roots"],
         registry_state_file=opts["registry_state_file"],
+        shared_tier_bytes=shared_tier_bytes,
     )
 
 

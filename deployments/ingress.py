@@ -145,11 +145,16 @@ class Ingress:
         api_key: str | None = None,
         adapter_roots: list[str] | None = None,
         registry_state_file: str | None = None,
+        shared_tier_bytes: int | None = None,  # the registry's budget, if this creates it
     ) -> None:
         from deployments.registry import get_or_create_registry
 
         bind_replica_grpc_to_node_ip()
-        actor = await asyncio.to_thread(get_or_create_registry, state_file=registry_state_file)
+        actor = await asyncio.to_thread(
+            get_or_create_registry,
+            state_file=registry_state_file,
+            shared_tier_bytes=shared_tier_bytes,
+        )
         registry = ActorRegistry(actor)
         self.serving = OpenAIServing(
             ServeLLMBackend(llm_handle), registry, served_model_name, api_key, adapter_roots

@@ -82,6 +82,7 @@ class LLMServer:
         adapter_eviction: str = "frequency",
         read_adapters_in_step: bool = False,
         shared_adapter_tier: bool = True,
+        shared_tier_bytes: int | None = None,  # the registry's budget, if this creates it
     ) -> None:
         from engine import AsyncLLMEngine, EngineConfig
 
@@ -124,7 +125,7 @@ class LLMServer:
             self.replica_id,
             catalog,
             report_interval_s,
-            get_registry=lambda: get_registry_or_none(registry_state_file),
+            get_registry=lambda: get_registry_or_none(registry_state_file, shared_tier_bytes),
         )
         await self.reporter.start()
         # an adapter another replica read is fetched from the object store, not read again

@@ -293,18 +293,22 @@ class AdapterRegistry:
 
 
 def get_or_create_registry(
-    stale_after_s: float = DEFAULT_STALE_AFTER_S, state_file: str | None = None
+    stale_after_s: float = DEFAULT_STALE_AFTER_S,
+    state_file: str | None = None,
+    shared_tier_bytes: int | None = None,
 ) -> ray.actor.ActorHandle:
     """The cluster's registry actor, created on first use (detached, restarted forever).
 
     state_file None keeps the durable record in the GCS KV; a path keeps it in that JSON file
-    on the head node (deployments/catalog_store.py). The first caller's arguments win: an
-    existing actor is returned as it is.
+    on the head node (deployments/catalog_store.py). shared_tier_bytes: the object-store
+    budget of the shared adapter tier (None: DEFAULT_SHARED_TIER_BYTES). The first caller's
+    arguments win: an existing actor is returned as it is.
     max_task_retries=-1: a call made while the actor restarts is retried, not failed.
     """
     if state_file is not None and not os.path.isabs(state_file):
         # The actor opens it on the head node, in its own working directory.
         raise ValueError(f"state_file must be an absolute path, got {state_file!r}")
+    budget = DEFAULT_SHARED_TIER_BYTES if shared_tier_bytes is None else shared_tier_bytes
     return AdapterRegistry.options(
         name=REGISTRY_NAME,
         namespace=REGISTRY_NAMESPACE,
@@ -314,7 +318,7 @@ def get_or_create_registry(
         max_task_retries=-1,
         num_cpus=0,
         **_on_head_node(),
-    ).remote(stale_after_s=stale_after_s, state_file=state_file)
+    ).remote(stale_after_s=stale_after_s, state_file=state_file, shared_tier_bytes=budget)
 
 
 def _on_head_node() -> dict[str, Any]:

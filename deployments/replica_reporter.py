@@ -23,11 +23,11 @@ logger = logging.getLogger("ray.serve")
 REGISTRY_CALL_TIMEOUT_S = 5.0
 
 
-def get_registry_or_none(state_file: str | None = None):
+def get_registry_or_none(state_file: str | None = None, shared_tier_bytes: int | None = None):
     try:
         from deployments.registry import get_or_create_registry
 
-        return get_or_create_registry(state_file=state_file)
+        return get_or_create_registry(state_file=state_file, shared_tier_bytes=shared_tier_bytes)
     except Exception as e:  # serving works without a registry; routing is just less sticky
         logger.warning("raylora: no adapter registry (%s); continuing without it", e)
         return None

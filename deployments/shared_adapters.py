@@ -44,6 +44,8 @@ class SharedAdapterStore:
     the real app each such fetch cost about a second before it fell back to disk)."""
 
     def __init__(self, budget_bytes: int = DEFAULT_SHARED_TIER_BYTES) -> None:
+        if int(budget_bytes) < 0:
+            raise ValueError(f"shared tier budget must be >= 0 bytes, got {budget_bytes}")
         self.budget_bytes = int(budget_bytes)
         self.entries: OrderedDict[Key, tuple[list[Any], int, str]] = OrderedDict()
         self.total_bytes = 0

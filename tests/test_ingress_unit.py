@@ -384,6 +384,9 @@ def test_build_app_args():
     assert opts["adapter_roots"] == ["/x", "/y"] and opts["demo_adapters"] is True
     with pytest.raises(ValueError, match="unknown build_app argument"):
         serve_app.parse_args({"max_lora": "2"})
+    assert serve_app.parse_args({"shared_tier_mb": "512"})[1]["shared_tier_mb"] == 512
+    with pytest.raises(ValueError, match="shared_tier_mb"):
+        serve_app.parse_args({"shared_tier_mb": "-1"})
     with pytest.raises(ValueError, match="not a PEFT adapter folder"):
         serve_app.parse_args({"adapters": "a=/does/not/exist"})
     assert serve_app.build_app({"num_replicas": "1"}) is not None

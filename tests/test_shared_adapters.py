@@ -38,6 +38,9 @@ def test_store_keeps_the_most_recently_fetched_within_its_budget():
     assert store.drop_name("a") == 1 and store.get(a) is None and store.total_bytes == 40
     store.forget(c)
     assert store.stats()["adapters"] == 0 and store.total_bytes == 0
+    assert not SharedAdapterStore(budget_bytes=0).put(a, ["ra"], 1)  # a budget of 0: off
+    with pytest.raises(ValueError, match=">= 0"):
+        SharedAdapterStore(budget_bytes=-1)
 
 
 def test_store_drops_the_copies_of_replicas_that_left():
@@ -114,7 +117,8 @@ def test_ray_tier_shares_a_replicas_read_until_it_goes(ray_cluster, tiny_model_d
 
     folder = str(make_adapter_set(tiny_model_dir, tmp_path)["qv4"])
     lora = LoRARequest("ray-shared", 1, folder)
-    registry = get_or_create_registry()
+    registry = get_or_create_registry(shared_tier_bytes=64 << 20)
+    assert ray.get(registry.shared_stats.remote())["budget_bytes"] == 64 << 20
 
     @ray.remote(num_cpus=0)
     class Reader:
