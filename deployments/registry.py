@@ -255,6 +255,12 @@ class AdapterRegistry:
     def shared_get(self, key: Key) -> list | None:
         return self._shared.get(key)
 
+    def shared_claim(self, key: Key, owner: str) -> tuple[str, list | None]:
+        return self._shared.claim(key, owner)
+
+    def shared_abandon(self, key: Key, owner: str) -> None:
+        self._shared.abandon(key, owner)
+
     def shared_put(self, key: Key, refs: list, num_bytes: int, owner: str = "") -> bool:
         return self._shared.put(key, refs, num_bytes, owner)
 

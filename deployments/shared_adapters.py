@@ -14,15 +14,24 @@ to the routing sweep.
   budget. A key is (model, adapter name, source): another deployment's model never gets it, and
   loading a name from another source is another key. The load and unload APIs drop every key
   of the name (AdapterRegistry.register_adapter / unregister_adapter).
-- `RayAdapterTier` (in each replica, engine.lora.manager.AdapterTier): fetch and publish.
-  Never raises: a tier that fails (registry gone, the owner of the copy gone, a timeout) is
-  a miss, the read goes to disk, and a lost copy's key is forgotten.
+- `RayAdapterTier` (in each replica, engine.lora.manager.AdapterTier): fetch, publish and
+  abandon. Never raises: a tier that fails (registry gone, the owner of the copy gone, a
+  timeout) is a miss, the read goes to disk, and a lost copy's key is forgotten.
+- One read at a time per key (single flight): the miss that sends a replica to the cold tier
+  is a *claim* on the key (`SharedAdapterStore.claim`), and a replica that misses while
+  another holds the claim waits for that replica's copy instead of reading the same adapter
+  a second time (two homes of a new hot adapter, or two routers' first requests for it,
+  reach two replicas within one read: a second object-storage download). The claim ends
+  with the reader's put or abandon (its read failed), when its replica is forgotten, or
+  after `claim_s`; then a waiter reads itself.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the registry actor imports this module: it must not import torch
@@ -32,6 +41,10 @@ if TYPE_CHECKING:  # the registry actor imports this module: it must not import 
 logger = logging.getLogger(__name__)
 
 DEFAULT_SHARED_TIER_BYTES = 2 << 30  # of the object store, for adapters (the registry's budget)
+# a reader's claim on a key: the others wait this long at most for its copy (an adapter of
+# hundreds of MB from object storage takes seconds to tens of seconds)
+DEFAULT_CLAIM_S = 60.0
+MIN_POLL_S, MAX_POLL_S = 0.02, 0.5  # a waiter asks again after 20 ms, 40 ms, ... at most 0.5 s
 Key = tuple[str, str, str]  # (model, adapter name, source)
 
 
@@ -43,13 +56,21 @@ class SharedAdapterStore:
     stopped reporting), its copies are dropped too, so no reader waits on a dead owner (on
     the real app each such fetch cost about a second before it fell back to disk)."""
 
-    def __init__(self, budget_bytes: int = DEFAULT_SHARED_TIER_BYTES) -> None:
+    def __init__(
+        self,
+        budget_bytes: int = DEFAULT_SHARED_TIER_BYTES,
+        claim_s: float = DEFAULT_CLAIM_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if int(budget_bytes) < 0:
             raise ValueError(f"shared tier budget must be >= 0 bytes, got {budget_bytes}")
         self.budget_bytes = int(budget_bytes)
         self.entries: OrderedDict[Key, tuple[list[Any], int, str]] = OrderedDict()
         self.total_bytes = 0
-        self.hits = self.misses = self.evictions = 0
+        self.hits = self.misses = self.evictions = self.waits = 0
+        self.claim_s = claim_s
+        self.clock = clock
+        self.reading: dict[Key, tuple[str, float]] = {}  # key -> (claimed by, at)
 
     def get(self, key: Key) -> list[Any] | None:
         entry = self.entries.get(key)
@@ -60,10 +81,34 @@ class SharedAdapterStore:
         self.entries.move_to_end(key)
         return entry[0]
 
+    def claim(self, key: Key, owner: str) -> tuple[str, list[Any] | None]:
+        """What `owner`, missing `key` in its CPU cache, does: ("hit", refs): fetch them;
+        ("read", None): read it from the cold tier, then put (or abandon) it: until then
+        the others wait; ("wait", None): another replica is reading it, ask again shortly."""
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.hits += 1
+            self.entries.move_to_end(key)
+            return "hit", entry[0]
+        claim = self.reading.get(key)
+        now = self.clock()
+        if claim is not None and claim[0] != owner and now - claim[1] < self.claim_s:
+            self.waits += 1
+            return "wait", None
+        self.misses += 1
+        self.reading[key] = (owner, now)
+        return "read", None
+
+    def abandon(self, key: Key, owner: str) -> None:
+        """`owner`'s read of `key` failed: its claim ends (a waiter reads next)."""
+        if self.reading.get(key, ("",))[0] == owner:
+            del self.reading[key]
+
     def put(self, key: Key, refs: list[Any], num_bytes: int, owner: str = "") -> bool:
         """Keep `refs` (a one-element list: Ray passes a bare ref by value) under `key`,
-        replacing what was there; evict the least recently fetched to fit. False if the
-        adapter alone is over the budget."""
+        replacing what was there, and end the claim on it; evict the least recently fetched
+        to fit. False if the adapter alone is over the budget."""
+        self.reading.pop(key, None)
         self.forget(key)
         if num_bytes > self.budget_bytes:
             return False
@@ -81,11 +126,15 @@ class SharedAdapterStore:
             self.total_bytes -= entry[1]
 
     def drop_name(self, name: str) -> int:
-        """Forget every key of adapter `name` (any model, any source); how many."""
+        """Forget every key of adapter `name` (any model, any source) and the reads of it
+        under way (a reload: their copies would be of the old source); how many keys."""
+        self.reading = {k: c for k, c in self.reading.items() if k[1] != name}
         return self._drop([k for k in self.entries if k[1] == name])
 
     def drop_owners(self, gone: set[str]) -> int:
-        """Forget the copies that the replicas in `gone` put; how many."""
+        """Forget the copies that the replicas in `gone` put, and their claims; how many
+        copies."""
+        self.reading = {k: c for k, c in self.reading.items() if c[0] not in gone}
         return self._drop([k for k, e in self.entries.items() if e[2] in gone])
 
     def owners(self) -> set[str]:
@@ -102,7 +151,9 @@ class SharedAdapterStore:
             "bytes": self.total_bytes,
             "budget_bytes": self.budget_bytes,
             "hits": self.hits,
-            "misses": self.misses,
+            "misses": self.misses,  # answered "read": a read from the cold tier
+            "waits": self.waits,  # answered "wait" (a replica asks again until it is done)
+            "reading": len(self.reading),
             "evictions": self.evictions,
         }
 
@@ -134,13 +185,22 @@ class RayAdapterTier:
         from engine.lora.adapter import LoRAAdapter
 
         key = self.key(lora)
-        try:
-            refs = ray.get(self.registry.shared_get.remote(key), timeout=self.registry_timeout_s)
-        except Exception as e:  # no registry now: read from disk
-            logger.warning("raylora: shared adapter tier unavailable (%s)", e)
-            return None
-        if not refs:
-            return None
+        pause = MIN_POLL_S
+        while True:
+            try:
+                status, refs = ray.get(
+                    self.registry.shared_claim.remote(key, self.owner),
+                    timeout=self.registry_timeout_s,
+                )
+            except Exception as e:  # no registry now: read from disk
+                logger.warning("raylora: shared adapter tier unavailable (%s)", e)
+                return None
+            if status != "wait":
+                break
+            time.sleep(pause)  # another replica reads it: its copy comes in one read's time
+            pause = min(2 * pause, MAX_POLL_S)
+        if status != "hit" or not refs:
+            return None  # claimed: this replica reads it, then publishes or abandons it
         try:
             adapter = ray.get(refs[0], timeout=self.timeout_s)
         except Exception as e:  # lost (its owner is gone) or too slow: forget it, read
@@ -148,6 +208,13 @@ class RayAdapterTier:
             self.registry.shared_forget.remote(key)
             return None
         return adapter if isinstance(adapter, LoRAAdapter) else None
+
+    def abandon(self, lora: LoRARequest) -> None:
+        """This replica's read failed: its claim ends, so a replica waiting reads itself."""
+        try:
+            self.registry.shared_abandon.remote(self.key(lora), self.owner)
+        except Exception as e:  # the claim expires by itself after DEFAULT_CLAIM_S
+            logger.warning("raylora: could not end the read claim on %s (%s)", lora.lora_name, e)
 
     def publish(self, lora: LoRARequest, adapter: LoRAAdapter) -> None:
         import ray
@@ -160,3 +227,4 @@ class RayAdapterTier:
             self.registry.shared_put.remote(self.key(lora), [ref], adapter.num_bytes(), self.owner)
         except Exception as e:  # the adapter is read; only the sharing failed
             logger.warning("raylora: could not share %s (%s)", lora.lora_name, e)
+            self.abandon(lora)  # nobody waits for a copy that will not come

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,34 @@ def test_store_drops_the_copies_of_replicas_that_left():
     assert store.get(("m", "b", "/b")) == ["rb"] and store.total_bytes == 10
 
 
+def test_one_replica_reads_a_key_while_the_others_wait():
+    """Single flight: a miss claims the read; others wait until the reader puts (then hit),
+    abandons, is dropped, or its claim is claim_s old (then the next one reads)."""
+    now = [0.0]
+    store = SharedAdapterStore(budget_bytes=100, claim_s=60.0, clock=lambda: now[0])
+    k, other = ("m", "a", "/a"), ("m", "b", "/b")
+    assert store.claim(k, "r1") == ("read", None)
+    assert store.claim(k, "r2") == ("wait", None) and store.claim(k, "r3") == ("wait", None)
+    assert store.claim(k, "r1") == ("read", None)  # its own claim: it reads (a retry)
+    assert store.claim(other, "r2") == ("read", None)  # keys are independent
+    assert store.put(k, ["ra"], 10, owner="r1")
+    assert store.claim(k, "r2") == ("hit", ["ra"])
+    assert store.stats()["waits"] == 2 and store.stats()["misses"] == 3
+
+    store.abandon(other, "r9")  # not its claim: nothing ends
+    assert store.claim(other, "r3") == ("wait", None)
+    store.abandon(other, "r2")  # r2's read failed: r3 reads next
+    assert store.claim(other, "r3") == ("read", None)
+    now[0] = 59.9
+    assert store.claim(other, "r4") == ("wait", None)
+    now[0] = 60.0  # r3's claim is over claim_s old: r4 reads
+    assert store.claim(other, "r4") == ("read", None)
+    store.drop_owners({"r4"})  # its replica is forgotten: so is its claim
+    assert store.claim(other, "r5") == ("read", None)
+    store.drop_name("b")  # a reload of the name: the read under way was of the old source
+    assert store.claim(other, "r6") == ("read", None) and store.stats()["reading"] == 1
+
+
 # -- the engine's read path --------------------------------------------------------------
 
 
@@ -61,7 +90,7 @@ class DictTier:
 
     def __init__(self) -> None:
         self.store: dict[tuple[str, str], object] = {}
-        self.fetches = self.publishes = 0
+        self.fetches = self.publishes = self.abandons = 0
 
     def fetch(self, lora):
         self.fetches += 1
@@ -70,6 +99,9 @@ class DictTier:
     def publish(self, lora, adapter) -> None:
         self.publishes += 1
         self.store[(lora.lora_name, lora.lora_path)] = adapter
+
+    def abandon(self, lora) -> None:
+        self.abandons += 1
 
 
 def _generate(engine: LLMEngine, lora: LoRARequest, tier) -> list[int]:
@@ -100,6 +132,7 @@ def test_a_second_engine_takes_the_adapter_from_the_tier(tiny_model_dir, tmp_pat
     with pytest.raises(LoRAError):
         small.read_lora(lora, tier)
     assert small.stats()["lora"]["shared_reads"] == 0
+    assert tier.abandons == 1 and tier.publishes == 1  # the failed read ended its claim
 
 
 # -- the Ray object store tier -------------------------------------------------------------
@@ -108,7 +141,8 @@ def test_a_second_engine_takes_the_adapter_from_the_tier(tiny_model_dir, tmp_pat
 def test_ray_tier_shares_a_replicas_read_until_it_goes(ray_cluster, tiny_model_dir, tmp_path):
     """An actor (a replica) reads the adapter and publishes it; the driver fetches the same
     weights; another model's key and a re-registration of the name get nothing; once the
-    reader is gone its copy is a miss, and the registry forgets it."""
+    reader is gone its copy is a miss, and the registry forgets it. Two replicas missing the
+    adapter at once: one reads, the other waits for its copy (or reads, if the read fails)."""
     import ray
     import torch
 
@@ -150,6 +184,9 @@ def test_ray_tier_shares_a_replicas_read_until_it_goes(ray_cluster, tiny_model_d
 
     ray.get(registry.remove_replica.remote("reader-1"))  # the registry forgets the reader:
     assert shared_count() == 0 and tier.fetch(lora) is None  # its copies go with it
+    # that miss claimed the read; the driver reads nothing, so it ends the claim (the reader
+    # below would wait for it); ray.get: done before the reader asks
+    ray.get(registry.shared_abandon.remote(tier.key(lora), tier.owner))
 
     ray.get(reader.read.remote(tiny_model_dir), timeout=240)  # a miss: read, shared again
     wait_for(1)
@@ -162,3 +199,27 @@ def test_ray_tier_shares_a_replicas_read_until_it_goes(ray_cluster, tiny_model_d
     wait_for(1)
     ray.get(registry.register_adapter.remote("ray-shared", folder, 4, ["q_proj"], "tiny"))
     assert tier.fetch(lora) is None and shared_count() == 0
+    ray.get(registry.shared_abandon.remote(tier.key(lora), tier.owner))
+
+    # single flight: while replica a reads the adapter, b waits for a's copy and takes it
+    a, b = RayAdapterTier(registry, "tiny", "replica-a"), RayAdapterTier(registry, "tiny", "b")
+    assert a.fetch(lora) is None  # a misses: a reads it
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(b.fetch, lora)
+        time.sleep(0.5)
+        assert not waiting.done(), "b read the adapter a second time instead of waiting"
+        a.publish(lora, got)
+        fetched = waiting.result(timeout=30)
+    assert fetched is not None and set(fetched.weights) == set(want)
+    for k, (x, y) in want.items():
+        assert torch.equal(fetched.weights[k][0], x) and torch.equal(fetched.weights[k][1], y)
+    # a read that fails ends the claim: the waiter is told to read
+    ray.get(registry.register_adapter.remote("ray-shared", folder, 4, ["q_proj"], "tiny"))
+    assert a.fetch(lora) is None
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(b.fetch, lora)
+        time.sleep(0.5)
+        assert not waiting.done()
+        a.abandon(lora)
+        assert waiting.result(timeout=30) is None
+    assert ray.get(registry.shared_stats.remote())["waits"] >= 2

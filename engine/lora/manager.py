@@ -28,12 +28,16 @@ from raylora_kernels import SlotWeights
 class AdapterTier(Protocol):
     """A tier between the CPU cache and disk/Hub that replicas share (on Ray Serve the object
     store, deployments/shared_adapters.py): an adapter one replica read is fetched there by the
-    others instead of being read again. Both calls block (a worker thread makes them) and
-    never raise: a tier that fails is a miss, and the read goes to disk/Hub."""
+    others instead of being read again. The calls block (a worker thread makes them) and
+    never raise: a tier that fails is a miss, and the read goes to disk/Hub. A miss may be
+    a claim on the read (the others wait for this replica's copy): the reader then publishes
+    what it read, or abandons the read if it failed."""
 
     def fetch(self, lora: LoRARequest) -> LoRAAdapter | None: ...
 
     def publish(self, lora: LoRARequest, adapter: LoRAAdapter) -> None: ...
+
+    def abandon(self, lora: LoRARequest) -> None: ...
 
 
 class LoRAManager:
@@ -91,8 +95,13 @@ class LoRAManager:
             if adapter is not None and adapter.rank <= self.config.max_lora_rank:
                 self.num_shared_reads += 1  # a worker thread: a stats counter, not exact
                 return adapter
-        adapter = load_adapter(lora.lora_path, lora.lora_name, self.spec)
-        adapter.identity = adapter_identity(adapter)
+        try:
+            adapter = load_adapter(lora.lora_path, lora.lora_name, self.spec)
+            adapter.identity = adapter_identity(adapter)
+        except BaseException:
+            if tier is not None:
+                tier.abandon(lora)  # another replica may be waiting for this read
+            raise
         if tier is not None:
             tier.publish(lora, adapter)
         return adapter
