@@ -221,6 +221,19 @@ def build_llm_app(policy: str, args, model: str, adapters: dict[str, str]):
     )
 
 
+def registry_waits() -> int:
+    """Answers "wait" the shared tier's registry gave so far (a replica missing an adapter
+    another replica was reading); 0 with no registry."""
+    import ray
+
+    from deployments.registry import get_registry
+
+    try:
+        return int(ray.get(get_registry().shared_stats.remote(), timeout=10).get("waits", 0))
+    except Exception:  # no registry (no raylora arm ran yet)
+        return 0
+
+
 def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -> dict:
     from ray import serve
 
@@ -234,11 +247,13 @@ def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -
             warm = GenerateRequest(f"warm-{i}", spec, prompt="warm up")
             handle.complete.remote(warm).result()
         before = lora_counts(replica_stats(handle, args.replicas))
+        waits_before = registry_waits()
         t0 = time.perf_counter()
         latencies, errors = asyncio.run(replay(handle, trace, args.max_tokens))
         wall = time.perf_counter() - t0
         after_stats = replica_stats(handle, args.replicas)
         after = lora_counts(after_stats)
+        waits = registry_waits() - waits_before
     finally:
         serve.delete(app_name)
     activations = sum(after[r]["activations"] - before[r]["activations"] for r in after)
@@ -253,6 +268,7 @@ def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -
         "activations": activations,
         "disk": disk,
         "shared": shared,
+        "tier_waits": waits,
         "loads": activations + disk,
         "p50_ms": 1000 * lat[len(lat) // 2] if lat else float("nan"),
         "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else float("nan"),
@@ -387,7 +403,12 @@ def main(argv: list[str] | None = None) -> int:
             # ABCD, DCBA, ...: drift over time (a busier machine) hits every policy alike
             for policy in policies if run % 2 == 0 else policies[::-1]:
                 results.append({**run_policy(policy, args, model, adapters, trace), "run": run})
-                print(f"  run {run + 1} {policy}: done in {results[-1]['wall_s']:.1f}s", flush=True)
+                r = results[-1]
+                print(
+                    f"  run {run + 1} {policy}: done in {r['wall_s']:.1f}s "
+                    f"({r['tier_waits']} waits for another replica's read of an adapter)",
+                    flush=True,
+                )
     finally:
         try:
             serve.shutdown()

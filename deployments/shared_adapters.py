@@ -44,7 +44,9 @@ DEFAULT_SHARED_TIER_BYTES = 2 << 30  # of the object store, for adapters (the re
 # a reader's claim on a key: the others wait this long at most for its copy (an adapter of
 # hundreds of MB from object storage takes seconds to tens of seconds)
 DEFAULT_CLAIM_S = 60.0
-MIN_POLL_S, MAX_POLL_S = 0.02, 0.5  # a waiter asks again after 20 ms, 40 ms, ... at most 0.5 s
+# a waiter asks again after 5 ms, 10 ms, ... at most every 0.5 s: a local read is done in
+# milliseconds, one from object storage in seconds
+MIN_POLL_S, MAX_POLL_S = 0.005, 0.5
 Key = tuple[str, str, str]  # (model, adapter name, source)
 
 
