@@ -24,6 +24,8 @@ reads adapters in a worker thread; vLLM's is LRU and reads inside the step):
                      the same router on raylora's engine: the router-only comparison
   affinity_moves     affinity with the moves of the adapters that are not hot turned on
                      (max_moves 1, deployments/placement.py `rebalance`; off as it ships)
+  affinity_no_tier   affinity on raylora's engine without the shared adapter tier (every
+                     replica reads each adapter from disk itself)
   pow2_no_multiplex  Ray's default router with no ids reported: 2 random replicas (a deployment
                      without `@serve.multiplexed`; not what Ray Serve LLM runs)
 Requests go to the LLMServer deployment through a DeploymentHandle with the adapter as the
@@ -157,16 +159,24 @@ POLICIES: dict[str, tuple[str, bool, str]] = {
     "ray_multiplex_raylora_engine": ("pow2", True, "raylora"),
     "pow2_no_multiplex": ("pow2", False, "vllm"),
     "affinity_moves": ("affinity", True, "raylora"),
+    "affinity_no_tier": ("affinity", True, "raylora_no_tier"),
 }
 # policy -> router kwargs it sets (over --router-kwargs)
 POLICY_ROUTER_KWARGS: dict[str, dict] = {"affinity_moves": {"max_moves": 1}}
 # the arms run by default: the router as it ships and Ray's, not the option variants
-DEFAULT_POLICIES = tuple(p for p in POLICIES if p not in POLICY_ROUTER_KWARGS)
+OPTION_ARMS = {*POLICY_ROUTER_KWARGS, "affinity_no_tier"}
+DEFAULT_POLICIES = tuple(p for p in POLICIES if p not in OPTION_ARMS)
 PEER = "ray_multiplex"
 # engine -> LLMServer kwargs: raylora's (slots and CPU cache keep what this replica is asked
 # for most, the read in a worker thread) or vLLM's (LRU, the read inside the step)
 ENGINES: dict[str, dict] = {
     "raylora": {"adapter_eviction": "frequency", "read_adapters_in_step": False},
+    # raylora without its shared adapter tier: every replica reads from disk itself
+    "raylora_no_tier": {
+        "adapter_eviction": "frequency",
+        "read_adapters_in_step": False,
+        "shared_adapter_tier": False,
+    },
     "vllm": {
         "adapter_eviction": "lru",
         "read_adapters_in_step": True,
