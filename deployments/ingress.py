@@ -31,8 +31,13 @@ from deployments.protocol import APIError, GenerateRequest, ReplicaOutput
 # A replica that dies mid-request (its node is lost, it is OOM-killed) fails the call with a
 # RayActorError, which Serve's handle does not retry; one whose engine loop died answers 503
 # engine_dead. Before anything reached the client the request is retried (the router drops,
-# probes or routes around the dead replica), at most this many times.
-MAX_REPLICA_RETRIES = 3
+# probes or routes around the dead replica), at most this many times. The router learns of a
+# dead engine loop from the replica's routing stats (pushed every routing_stats_period_s, 2 s,
+# through the controller), and until then prefers it (it fails fast, so its queue is the
+# shortest): the retries span 0.5 + 1 + 2 + 4 = 7.5 s, over three push periods. With 3 (3.5 s)
+# tests/test_faults.py once saw all four attempts go to the dead replica and a 503 reach the
+# client while the other replica was healthy.
+MAX_REPLICA_RETRIES = 4
 REPLICA_RETRY_BACKOFF_S = 0.5  # doubled after each retry
 
 
