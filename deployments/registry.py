@@ -252,9 +252,6 @@ class AdapterRegistry:
         self._shared.drop_name(name)
         return self._state.unregister_adapter(name)
 
-    def shared_get(self, key: Key) -> list | None:
-        return self._shared.get(key)
-
     def shared_claim(self, key: Key, owner: str) -> tuple[str, list | None]:
         return self._shared.claim(key, owner)
 

@@ -249,11 +249,10 @@ class AdapterAffinityRouter(RequestRouter):
         if not self._use_placement or not adapter_id or adapter_id.startswith("prefix:"):
             return None
         if self._planner is None:  # the slot count from the replicas, once one reports it
-            reported = [(r.routing_stats or {}).get("max_loras") for r in candidates]
-            known = [int(m) for m in reported if m]
-            if not known:
+            max_loras = _smallest_reported(candidates, "max_loras")
+            if max_loras is None:
                 return None
-            self._planner = self._new_planner(min(known))
+            self._planner = self._new_planner(max_loras)
         ids = [r.replica_id.unique_id for r in candidates]
         return self._planner.placement(ids, lambda: holders(views)).get(adapter_id)
 
@@ -261,9 +260,7 @@ class AdapterAffinityRouter(RequestRouter):
         """The kwarg, else the smallest max_num_seqs the replicas report (None: none does)."""
         if self._max_batch is not None:
             return self._max_batch
-        reported = [(r.routing_stats or {}).get("max_num_seqs") for r in candidates]
-        known = [int(m) for m in reported if m]
-        return min(known) if known else None
+        return _smallest_reported(candidates, "max_num_seqs")
 
     @property
     def popularity(self) -> AdapterPopularity:
@@ -363,6 +360,13 @@ class AdapterAffinityRouter(RequestRouter):
         self._prefix_holders[key] = [h for h in holders if h != rid][-3:] + [rid]
         while len(self._prefix_holders) > MAX_PREFIX_KEYS:
             self._prefix_holders.popitem(last=False)
+
+
+def _smallest_reported(replicas: list[RunningReplica], field: str) -> int | None:
+    """The smallest value of an engine limit the replicas report in their routing stats
+    (None: none reports it yet)."""
+    known = [int(v) for r in replicas if (v := (r.routing_stats or {}).get(field))]
+    return min(known) if known else None
 
 
 def _prefix_key(pending_request: PendingRequest) -> str:

@@ -75,9 +75,15 @@ class SharedAdapterStore:
         self.reading: dict[Key, tuple[str, float]] = {}  # key -> (claimed by, at)
 
     def get(self, key: Key) -> list[Any] | None:
+        refs = self._hit(key)
+        if refs is None:
+            self.misses += 1
+        return refs
+
+    def _hit(self, key: Key) -> list[Any] | None:
+        """The refs under `key`, counted as a hit and made the most recent; None if absent."""
         entry = self.entries.get(key)
         if entry is None:
-            self.misses += 1
             return None
         self.hits += 1
         self.entries.move_to_end(key)
@@ -87,11 +93,9 @@ class SharedAdapterStore:
         """What `owner`, missing `key` in its CPU cache, does: ("hit", refs): fetch them;
         ("read", None): read it from the cold tier, then put (or abandon) it: until then
         the others wait; ("wait", None): another replica is reading it, ask again shortly."""
-        entry = self.entries.get(key)
-        if entry is not None:
-            self.hits += 1
-            self.entries.move_to_end(key)
-            return "hit", entry[0]
+        refs = self._hit(key)
+        if refs is not None:
+            return "hit", refs
         claim = self.reading.get(key)
         now = self.clock()
         if claim is not None and claim[0] != owner and now - claim[1] < self.claim_s:
