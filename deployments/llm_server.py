@@ -103,6 +103,7 @@ class LLMServer:
             self.engine.engine.scheduler.slots.priority = self._adapter_counts.count
             self.engine.engine.model_runner.lora_manager.priority = self._adapter_counts.count
         self._read_in_step = bool(read_adapters_in_step)
+        self.engine.read_loras_off_lock = not self._read_in_step
         self._in_cpu: set[str] = set()  # the engine's CPU cache, as its listener last said
         self.engine.add_residency_listener(self._on_residency)
         self.model_name: str = self.engine.model_name
@@ -113,7 +114,6 @@ class LLMServer:
             for name, path in initial_adapters(adapters, demo_adapters).items()
         }
         self._lora_ids: dict[str, int] = {}  # name -> lora_int_id (stable per replica)
-        self._load_locks: dict[str, asyncio.Lock] = {}
         self._num_inflight = 0
         self._num_aborted = 0  # requests whose caller went away before they finished
         self._num_requests = 0  # requests received, ever
@@ -263,14 +263,13 @@ class LLMServer:
                 "model_not_found",
             )
         lora_request = LoRARequest(name, self._lora_int_id(name), entry["source"])
-        # not in the CPU cache (never read, or evicted since): read it now, off the step
+        # not in the CPU cache (never read, or evicted since): read it now, off the step (the
+        # engine shares one read among the requests that wait for it; the request's add
+        # inserts it, so the request waits for one step boundary, not two)
         if not self._read_in_step and name not in self._in_cpu:
-            lock = self._load_locks.setdefault(name, asyncio.Lock())
-            async with lock:  # one load per adapter, however many requests wait for it
-                if name not in self._in_cpu:
-                    loading = self._multiplex.loading(name) if self._multiplex else nullcontext()
-                    with loading:
-                        await self.engine.add_lora(lora_request)  # read in a worker thread
+            loading = self._multiplex.loading(name) if self._multiplex else nullcontext()
+            with loading:
+                await self.engine.read_lora_ahead(lora_request)
         return lora_request
 
     def _on_residency(self, slots: list[str], cpu: list[str]) -> None:

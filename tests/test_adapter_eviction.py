@@ -94,24 +94,33 @@ def test_cpu_cache_keeps_the_adapter_asked_for_most(tiny_model_dir, three_adapte
     assert asyncio.run(run) == left
 
 
-def test_in_step_read_skips_the_worker_thread(tiny_model_dir, three_adapters, monkeypatch):
-    """read_adapters_in_step (vLLM's way): the replica does not read the adapter ahead in a
-    worker thread; the engine reads it inside the step, and the request completes."""
+def test_in_step_read_skips_the_read_ahead(tiny_model_dir, three_adapters, monkeypatch):
+    """read_adapters_in_step (vLLM's way): the replica reads nothing ahead and its engine reads
+    a missing adapter under its lock (tests/test_adapter_reads.py); raylora's way reads it
+    ahead, and never through add_lora, whose insert would make the request wait for one more
+    step boundary than its own add."""
     from engine import AsyncLLMEngine
 
-    reads: list[str] = []
-    real = AsyncLLMEngine.add_lora
+    ahead: list[str] = []
+    added: list[str] = []
+    real = AsyncLLMEngine.read_lora_ahead
 
     async def spy(self, lora_request):
-        reads.append(lora_request.lora_name)
+        ahead.append(lora_request.lora_name)
         return await real(self, lora_request)
 
-    monkeypatch.setattr(AsyncLLMEngine, "add_lora", spy)
+    async def no_add(self, lora_request):
+        added.append(lora_request.lora_name)
+        raise AssertionError("add_lora on the request path")
+
+    monkeypatch.setattr(AsyncLLMEngine, "read_lora_ahead", spy)
+    monkeypatch.setattr(AsyncLLMEngine, "add_lora", no_add)
 
     def run(in_step: bool):
         return _serve_then_cached(
             tiny_model_dir, three_adapters, "a", read_adapters_in_step=in_step
         )
 
-    assert asyncio.run(run(True)) == {"a"} and reads == []
-    assert asyncio.run(run(False)) == {"a"} and reads == ["a"]
+    assert asyncio.run(run(True)) == {"a"} and ahead == []
+    assert asyncio.run(run(False)) == {"a"} and ahead == ["a"]
+    assert added == []

@@ -1,0 +1,153 @@
+"""AsyncLLMEngine's adapter reads: one read shared by the requests that need it, a read made
+ahead and inserted by the request's own add, failed reads forgotten, and vLLM's in-step read
+(under the engine lock) for the peer arm of benchmarks/routing.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+import engine.lora.manager as lora_manager_module
+from engine import AsyncLLMEngine, EngineConfig, LLMEngine, LoRARequest, SamplingParams
+from engine.lora.errors import LoRAError
+from tests.lora_fixtures import make_peft_adapter
+
+pytestmark = pytest.mark.timeout(300)
+
+PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+def async_engine(model_dir: str) -> AsyncLLMEngine:
+    cfg = dict(model=model_dir, block_size=4, max_num_batched_tokens=64, max_model_len=128)
+    return AsyncLLMEngine(engine=LLMEngine(EngineConfig(**cfg, enable_lora=True)))
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_model_dir, tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("reads") / "a"
+    return str(make_peft_adapter(tiny_model_dir, out, r=4, target_modules=["q_proj"], seed=3))
+
+
+class Loads(list):
+    """Every disk read of an adapter, each entry whether an engine `watch`ed held its lock."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.watched: list[AsyncLLMEngine] = []
+
+    def watch(self, eng: AsyncLLMEngine) -> None:
+        self.watched.append(eng)
+
+
+@pytest.fixture
+def loads(monkeypatch) -> Loads:
+    """Disk reads of adapters, each slowed to 0.2 s."""
+    seen = Loads()
+    real = lora_manager_module.load_adapter
+
+    def slow(*args, **kwargs):
+        seen.append(any(e._lock.locked() for e in seen.watched))
+        time.sleep(0.2)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lora_manager_module, "load_adapter", slow)
+    return seen
+
+
+async def texts(eng: AsyncLLMEngine, lora: LoRARequest | None, rid: str) -> list[int]:
+    outs = [o async for o in eng.generate("The capital of France is", PARAMS, rid, lora)]
+    assert outs[-1].finished
+    return outs[-1].outputs[0].token_ids
+
+
+def test_concurrent_requests_for_one_adapter_share_one_read(tiny_model_dir, adapter, loads):
+    """Four requests for an adapter not in the CPU cache, at once: one disk read, and each
+    gets what a request for the adapter already cached gets."""
+
+    async def main():
+        eng = async_engine(tiny_model_dir)
+        try:
+            lora = LoRARequest("a", 1, adapter)
+            got = await asyncio.gather(*(texts(eng, lora, f"r{i}") for i in range(4)))
+            reads = len(loads)
+            again = await texts(eng, lora, "cached")
+            base = await texts(eng, None, "base")
+            return got, reads, again, base, dict(eng._reads)
+        finally:
+            await eng.shutdown()
+
+    got, reads, again, base, pending = asyncio.run(main())
+    assert reads == 1 and len(loads) == 1
+    assert all(g == again for g in got)
+    assert again != base  # the adapter changes the output: the requests did use it
+    assert pending == {}  # inserted, so no longer held as a pending read
+
+
+def test_a_read_made_ahead_is_inserted_by_the_request(tiny_model_dir, adapter, loads):
+    """read_lora_ahead reads without inserting (the CPU cache does not list it yet); the
+    request's add inserts it, with no second read."""
+
+    async def main():
+        eng = async_engine(tiny_model_dir)
+        try:
+            lora = LoRARequest("a", 1, adapter)
+            await eng.read_lora_ahead(lora)
+            before = (eng.list_loras(), len(loads), len(eng._reads))
+            await texts(eng, lora, "r")
+            return before, eng.list_loras(), len(loads), len(eng._reads)
+        finally:
+            await eng.shutdown()
+
+    before, after, reads, pending = asyncio.run(main())
+    assert before == ([], 1, 1)
+    assert after == ["a"] and reads == 1 and pending == 0
+
+
+def test_a_failed_read_is_forgotten_and_a_removed_adapter_read_again(
+    tiny_model_dir, adapter, tmp_path, loads
+):
+    """A read that fails fails its request and is not kept: the next request reads again.
+    A read made ahead of a remove_lora is dropped with it."""
+
+    async def main():
+        eng = async_engine(tiny_model_dir)
+        try:
+            missing = LoRARequest("m", 2, str(tmp_path / "nothing-here"))
+            for _ in range(2):
+                with pytest.raises(LoRAError):
+                    await texts(eng, missing, "bad")
+            failed_reads = len(loads)
+            lora = LoRARequest("a", 1, adapter)
+            await eng.read_lora_ahead(lora)
+            eng.remove_lora("a")
+            await texts(eng, lora, "r")
+            return failed_reads, len(loads)
+        finally:
+            await eng.shutdown()
+
+    failed_reads, reads = asyncio.run(main())
+    assert failed_reads == 2
+    assert reads == 4  # the removed read-ahead, then the request's own
+
+
+def test_read_loras_off_lock_false_reads_under_the_lock(tiny_model_dir, adapter, loads):
+    """vLLM's way (read_loras_off_lock = False): the request's add reads the adapter holding
+    the engine lock, so no step runs meanwhile; the default reads it with the lock free (one
+    request, no step running)."""
+
+    async def main(off_lock: bool):
+        eng = async_engine(tiny_model_dir)
+        loads.watch(eng)
+        eng.read_loras_off_lock = off_lock
+        try:
+            await texts(eng, LoRARequest("a", 1, adapter), "r")
+            return eng.list_loras()
+        finally:
+            await eng.shutdown()
+
+    assert asyncio.run(main(False)) == ["a"]
+    assert loads == [True]
+    assert asyncio.run(main(True)) == ["a"]
+    assert loads == [True, False]
