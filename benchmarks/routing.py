@@ -10,7 +10,8 @@ multiplexed-model routing, the way a Ray Serve LLM user runs LoRA.
 One request trace (Poisson arrivals, adapters drawn Zipf(s), seeded) is replayed against the
 LLMServer deployment, deployed fresh per policy. A policy is a router and an engine's
 adapter-cache behaviour (`ENGINES`: raylora's keeps what the replica is asked for most and
-reads adapters in a worker thread; vLLM's is LRU and reads inside the step):
+reads adapters in a worker thread; vLLM's is LRU and reads a missing adapter under the engine
+lock, so no step runs meanwhile, as vLLM's worker reads it inside the step):
   affinity           raylora as it ships: AdapterAffinityRouter (deployments/router.py) on
                      raylora's engine; the replicas report multiplexed ids too, which the
                      router unions into its residency view
@@ -30,7 +31,10 @@ reads adapters in a worker thread; vLLM's is LRU and reads inside the step):
                      without `@serve.multiplexed`; not what Ray Serve LLM runs)
 Requests go to the LLMServer deployment through a DeploymentHandle with the adapter as the
 multiplexed model id (the ingress's path, without the HTTP layer), from this driver, so the
-router runs here.
+router runs here. They call `complete_timed` (benchmarks/routing_timing.py: `complete` plus
+the replica's times of each phase), and every run prints where its requests and its slowest
+1% spent their time: to the replica, waiting for the adapter, to the first token, decoding,
+back.
 
 Adapter loads = slot activations (an adapter copied into one of the `max_loras` slots) +
 disk loads (an adapter read from disk into a replica's CPU cache; `shared`: those fetched
@@ -121,9 +125,15 @@ def lora_counts(stats: dict[str, dict]) -> dict[str, dict[str, int]]:
     }
 
 
-async def replay(handle, trace, max_tokens: int) -> tuple[dict[int, float], list[str]]:
-    """Send every request at its arrival time; -> ({trace index: latency in s}, errors)."""
+async def replay(
+    handle, trace, max_tokens: int
+) -> tuple[dict[int, float], dict[int, dict], list[str]]:
+    """Send every request at its arrival time; -> ({trace index: latency in s}, {trace index:
+    replica, load at arrival and phases in ms (routing_timing)}, errors)."""
+    from benchmarks.routing_timing import phases
+
     latencies: dict[int, float] = {}
+    timings: dict[int, dict] = {}
     errors: list[str] = []
 
     async def one(i: int, adapter: str) -> None:
@@ -132,12 +142,19 @@ async def replay(handle, trace, max_tokens: int) -> tuple[dict[int, float], list
             SamplingSpec(max_tokens=max_tokens, ignore_eos=True, temperature=0),
             prompt=f"request {i} for {adapter}:",
         )
-        start = time.perf_counter()
+        start, sent = time.perf_counter(), time.time()
         try:
-            out = await handle.options(multiplexed_model_id=adapter).complete.remote(request)
+            call = handle.options(multiplexed_model_id=adapter).complete_timed
+            out, t = await call.remote(request)
             if not out.finished:
                 raise RuntimeError("unfinished output")
             latencies[i] = time.perf_counter() - start
+            timings[i] = {
+                "total": 1000 * latencies[i],
+                "replica": t["replica"],
+                "inflight": t["inflight"],
+                "phases": phases(sent, time.time(), t),
+            }
         except Exception as e:
             errors.append(f"{adapter}: {e!r}")
 
@@ -149,7 +166,7 @@ async def replay(handle, trace, max_tokens: int) -> tuple[dict[int, float], list
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(one(i, adapter)))
     await asyncio.gather(*tasks)
-    return latencies, errors
+    return latencies, timings, errors
 
 
 # policy -> (router, replicas report multiplexed ids, adapter-cache behaviour of the engine)
@@ -168,7 +185,7 @@ OPTION_ARMS = {*POLICY_ROUTER_KWARGS, "affinity_no_tier"}
 DEFAULT_POLICIES = tuple(p for p in POLICIES if p not in OPTION_ARMS)
 PEER = "ray_multiplex"
 # engine -> LLMServer kwargs: raylora's (slots and CPU cache keep what this replica is asked
-# for most, the read in a worker thread) or vLLM's (LRU, the read inside the step)
+# for most, the read in a worker thread) or vLLM's (LRU, the read under the engine lock)
 ENGINES: dict[str, dict] = {
     "raylora": {"adapter_eviction": "frequency", "read_adapters_in_step": False},
     # raylora without its shared adapter tier: every replica reads from disk itself
@@ -192,7 +209,7 @@ def build_llm_app(policy: str, args, model: str, adapters: dict[str, str]):
     from ray.serve.config import RequestRouterConfig
 
     import serve_app
-    from deployments.llm_server import LLMServer
+    from benchmarks.routing_timing import TimedLLMServer
 
     router, report_ids, engine_kind = POLICIES[policy]
     engine, _ = serve_app.parse_args(
@@ -222,7 +239,7 @@ def build_llm_app(policy: str, args, model: str, adapters: dict[str, str]):
             request_router_kwargs=kwargs,
             request_routing_stats_period_s=1.0,
         )
-    return serve.deployment(LLMServer, **options).bind(
+    return serve.deployment(TimedLLMServer, **options).bind(
         engine_config=engine,
         adapters=adapters,
         report_interval_s=1.0,
@@ -247,6 +264,8 @@ def registry_waits() -> int:
 def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -> dict:
     from ray import serve
 
+    from benchmarks.routing_timing import summarize
+
     app_name = f"bench-{policy}"
     app = build_llm_app(policy, args, model, adapters)
     serve.run(app, name=app_name, route_prefix=None)
@@ -259,7 +278,7 @@ def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -
         before = lora_counts(replica_stats(handle, args.replicas))
         waits_before = registry_waits()
         t0 = time.perf_counter()
-        latencies, errors = asyncio.run(replay(handle, trace, args.max_tokens))
+        latencies, timings, errors = asyncio.run(replay(handle, trace, args.max_tokens))
         wall = time.perf_counter() - t0
         after_stats = replica_stats(handle, args.replicas)
         after = lora_counts(after_stats)
@@ -286,6 +305,8 @@ def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -
         "cpu_cached_per_replica": resident,
         "wall_s": wall,
         "latency_ms": {i: 1000 * x for i, x in sorted(latencies.items())},
+        "timing": summarize(timings) if timings else None,
+        "timings": timings,
     }
 
 
@@ -366,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         "--latencies-out",
         type=Path,
         default=None,
-        help="JSON: the trace (arrival s, adapter) and every run's latency per request",
+        help="JSON: the trace (arrival s, adapter) and every run's latency and phases per request",
     )
     args = p.parse_args(argv)
     if args.smoke:
@@ -399,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
+    from benchmarks.routing_timing import print_summary
+
     ray.init(
         num_cpus=max(2, args.replicas),
         include_dashboard=False,
@@ -419,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"({r['tier_waits']} waits for another replica's read of an adapter)",
                     flush=True,
                 )
+                if r["timing"] is not None:
+                    print_summary(policy, r["timing"])
     finally:
         try:
             serve.shutdown()
@@ -426,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
             ray.shutdown()
 
     if args.latencies_out is not None:
-        runs = [{k: r[k] for k in ("policy", "run", "latency_ms")} for r in results]
+        runs = [{k: r[k] for k in ("policy", "run", "latency_ms", "timings")} for r in results]
         args.latencies_out.write_text(json.dumps({"trace": trace, "runs": runs}))
         print(f"latencies: {args.latencies_out}")
     for run in range(args.runs):

@@ -32,7 +32,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from contextlib import nullcontext
+from contextlib import ExitStack
 from typing import Any
 
 from ray import serve
@@ -187,6 +187,7 @@ class LLMServer:
         gen = None
         finished = False
         timing = RequestMetrics(adapter)
+        reading = ExitStack()  # the adapter's "being read" report, until the first output
         self._num_inflight += 1
         self._num_requests += 1
         if adapter:
@@ -202,9 +203,15 @@ class LLMServer:
                 room = self.engine.engine.config.max_model_len - num_prompt_tokens
                 kwargs["max_tokens"] = max(1, min(request.default_max_tokens, room))
             params = SamplingParams(**kwargs)
+            # an adapter not in the CPU cache is read by the engine as it adds the request, off
+            # the step (one read for the requests that wait for it): reported to Ray's router
+            # meanwhile, as Ray's multiplexed wrapper reports a model being loaded
+            if adapter and self._multiplex and not self._read_in_step and adapter not in self._in_cpu:
+                reading.enter_context(self._multiplex.loading(adapter))
             gen = self.engine.generate(prompt, params, request.request_id, lora_request)
             first = True
             async for out in gen:
+                reading.close()
                 finished = out.finished
                 timing.on_output(out)
                 yield out, first
@@ -217,6 +224,7 @@ class LLMServer:
                 raise
             raise err from None
         finally:
+            reading.close()
             self._num_inflight -= 1
             if adapter:
                 left = self._adapter_inflight.pop(adapter, 1) - 1
@@ -263,13 +271,6 @@ class LLMServer:
                 "model_not_found",
             )
         lora_request = LoRARequest(name, self._lora_int_id(name), entry["source"])
-        # not in the CPU cache (never read, or evicted since): read it now, off the step (the
-        # engine shares one read among the requests that wait for it; the request's add
-        # inserts it, so the request waits for one step boundary, not two)
-        if not self._read_in_step and name not in self._in_cpu:
-            loading = self._multiplex.loading(name) if self._multiplex else nullcontext()
-            with loading:
-                await self.engine.read_lora_ahead(lora_request)
         return lora_request
 
     def _on_residency(self, slots: list[str], cpu: list[str]) -> None:

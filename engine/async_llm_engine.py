@@ -10,17 +10,18 @@ Failures (vLLM's names):
 - an exception out of LLMEngine.step() or the loop itself (a bug; the engine's state may be
   inconsistent): the loop stops, every in-flight request gets EngineDeadError, `errored` is
   True, `dead_error` holds the error, and check_health() and generate() raise it.
-Adapter reads (disk / Hub) run in a worker thread without the lock, so steps and the caller's
-event loop go on; only the insert into the CPU cache takes the lock, in the same lock hold as
-the request's add. Concurrent requests for one adapter share one read (`_reads`), and a read
-made ahead (`read_lora_ahead`) waits there, unlocked, until a request's add inserts it: a
-request waits for one step boundary, not for one to insert and another to add.
+Adapter reads (disk / Hub) run in the request's worker thread, before it takes the lock, so
+steps and the caller's event loop go on; the insert into the CPU cache is in the same lock
+hold as the request's add. One thread hop per request, as without an adapter: under load each
+hop between the event loop and a worker costs up to a GIL switch interval (5 ms) while the
+step thread runs. Concurrent requests for one adapter share one read (`_reads`).
 `read_loras_off_lock = False` is vLLM's way instead (the peer arm of benchmarks/routing.py):
 an adapter missing from the CPU cache is read under the lock, as vLLM's worker reads it inside
 the step (vllm/lora/worker_manager.py), so every running request waits for the read.
 """
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 Route = tuple[asyncio.AbstractEventLoop, asyncio.Queue]
 ReadKey = tuple[str, str | None]  # (adapter name, source) of a read not yet inserted
+Read = tuple[LoRARequest, LoRAAdapter]  # (the request read, the adapter)
 
 
 class AsyncLLMEngine:
@@ -56,8 +58,9 @@ class AsyncLLMEngine:
         self.adapter_tier: AdapterTier | None = None
         # False: read a missing adapter under the lock, blocking steps (vLLM's in-step read)
         self.read_loras_off_lock = True
-        # reads in flight or done and not yet inserted, shared by the requests that need them
-        self._reads: dict[ReadKey, asyncio.Future] = {}
+        # reads in flight or not yet inserted, shared by the requests that need them
+        self._reads: dict[ReadKey, concurrent.futures.Future] = {}
+        self._reads_lock = threading.Lock()
         self._thread_stop = False
         self._thread = threading.Thread(target=self._loop, name="raylora-engine", daemon=True)
         self._thread.start()
@@ -106,23 +109,25 @@ class AsyncLLMEngine:
         request_id = request_id or uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        read = None
-        if lora_request is not None and self.read_loras_off_lock:
-            read = await self._read_lora(lora_request)
         structured = getattr(sampling_params, "structured_outputs", None)
         if structured is not None:  # compile in a worker thread, not in the step's lock
             await asyncio.to_thread(self.engine.structured.compile, structured)
 
         def add() -> None:
-            with self._lock:
-                self.check_health()  # after a death under this lock, no stream is failed again
-                if read is not None:
-                    self.engine.insert_lora(*read)
-                self.engine.add_request(request_id, prompt, sampling_params, lora_request)
-                self._streams[request_id] = (loop, queue)
+            read, owned = None, None
+            if lora_request is not None and self.read_loras_off_lock:
+                read, owned = self._read_shared(lora_request)  # no lock: steps go on
+            try:
+                with self._lock:
+                    self.check_health()  # after a death under this lock, no stream fails again
+                    if read is not None:
+                        self.engine.insert_lora(*read)
+                    self.engine.add_request(request_id, prompt, sampling_params, lora_request)
+                    self._streams[request_id] = (loop, queue)
+            finally:
+                self._read_done(owned)
 
-        await asyncio.to_thread(add)  # waits for the lock (a step) off the event loop
-        self._inserted(read)
+        await asyncio.to_thread(add)  # reads, then waits for the lock (a step), off the loop
         self._wakeup.set()
         done = False  # finished, failed or dead: nothing left to abort
         try:
@@ -152,70 +157,61 @@ class AsyncLLMEngine:
     async def add_lora(self, lora_request: LoRARequest) -> dict:
         """Load an adapter into the CPU cache: read in a worker thread without the engine lock
         (steps go on), then inserted under it. Raises engine.lora.errors.LoRAError."""
-        read = await self._read_lora(lora_request)
 
         def insert() -> dict:
-            with self._lock:
-                if read is None:  # cached (or, if evicted since the peek, read under the lock)
-                    info = self.engine.add_lora(lora_request)
-                else:
-                    info = self.engine.insert_lora(*read)
+            read, owned = self._read_shared(lora_request)  # no lock: steps go on
+            try:
+                with self._lock:
+                    if read is None:  # cached (or, if evicted since the peek, read under the lock)
+                        info = self.engine.add_lora(lora_request)
+                    else:
+                        info = self.engine.insert_lora(*read)
+            finally:
+                self._read_done(owned)
             self._notify_residency()
             return info
 
-        info = await asyncio.to_thread(insert)
-        self._inserted(read)
-        return info
+        return await asyncio.to_thread(insert)
 
-    async def read_lora_ahead(self, lora_request: LoRARequest) -> None:
-        """Read an adapter the CPU cache lacks now, in a worker thread, without the lock; the
-        next add of a request for it inserts it (in that add's own lock hold). Raises
-        engine.lora.errors.LoRAError as the read does."""
-        await self._read_lora(lora_request)
-
-    async def _read_lora(self, lora: LoRARequest) -> tuple[LoRARequest, LoRAAdapter] | None:
-        """(request read, adapter) for an adapter the CPU cache lacks, read from disk/Hub in a
-        worker thread without the lock; None if cached. The cache peek takes no lock either:
-        a stale answer only costs a read later, under the lock (LoRAManager.lora_to_read).
-        A read already in flight or done for the same adapter and source is joined, not
-        repeated; a failed one is forgotten, so the next request tries again."""
+    def _read_shared(
+        self, lora: LoRARequest
+    ) -> tuple[Read | None, tuple[ReadKey, concurrent.futures.Future] | None]:
+        """In a worker thread, without the engine lock: the read of an adapter the CPU cache
+        lacks (None if cached), and, if this thread made it, its entry, which the caller ends
+        with _read_done once it has inserted it. A read in flight for the same adapter and
+        source is joined, not repeated; a failed one fails its joiners too and is forgotten,
+        so the next request tries again. The cache peek takes no lock: a stale answer only
+        costs a read later, under the lock (LoRAManager.lora_to_read)."""
         to_read = self.engine.lora_to_read(lora)
         if to_read is None:
-            return None
+            return None, None
         key = (to_read.lora_name, to_read.lora_path)
-        loop = asyncio.get_running_loop()
-        read = self._reads.get(key)
-        if read is None or (read.done() and (read.cancelled() or read.exception() is not None)):
-            read = None
-        elif not read.done() and read.get_loop() is not loop:
-            read = None  # another event loop's read: not awaitable here, read again
-        if read is None:
-            read = loop.create_task(
-                asyncio.to_thread(self.engine.read_lora, to_read, self.adapter_tier)
-            )
-            # every waiter may have gone: the task's error is still looked at
-            read.add_done_callback(lambda t: t.cancelled() or t.exception())
-            self._reads[key] = read
+        with self._reads_lock:
+            read = self._reads.get(key)
+            mine = read is None
+            if read is None:
+                read = self._reads[key] = concurrent.futures.Future()
+        if not mine:
+            return (to_read, read.result()), None
         try:
-            adapter = read.result() if read.done() else await asyncio.shield(read)
-        except asyncio.CancelledError:
-            raise  # this caller went away; the read goes on for the others
-        except BaseException:
-            if self._reads.get(key) is read:
-                del self._reads[key]
+            read.set_result(self.engine.read_lora(to_read, self.adapter_tier))
+        except BaseException as e:
+            read.set_exception(e)
+            self._read_done((key, read))
             raise
-        return to_read, adapter
+        return (to_read, read.result()), (key, read)
 
-    def _inserted(self, read: tuple[LoRARequest, LoRAAdapter] | None) -> None:
-        """A read is in the CPU cache now: later requests find it there, not in `_reads`."""
-        if read is not None:
-            self._reads.pop((read[0].lora_name, read[0].lora_path), None)
+    def _read_done(self, owned: tuple[ReadKey, concurrent.futures.Future] | None) -> None:
+        """The read is inserted (or failed): later requests find it in the CPU cache."""
+        if owned is not None:
+            key, read = owned
+            with self._reads_lock:
+                if self._reads.get(key) is read:
+                    del self._reads[key]
 
     def remove_lora(self, lora_name: str) -> bool:
         with self._lock:
             removed = self.engine.remove_lora(lora_name)
-        for key in [k for k in self._reads if k[0] == lora_name]:
-            self._reads.pop(key, None)  # a read made before the removal must not come back
         self._notify_residency()
         return removed
 

@@ -94,33 +94,35 @@ def test_cpu_cache_keeps_the_adapter_asked_for_most(tiny_model_dir, three_adapte
     assert asyncio.run(run) == left
 
 
-def test_in_step_read_skips_the_read_ahead(tiny_model_dir, three_adapters, monkeypatch):
-    """read_adapters_in_step (vLLM's way): the replica reads nothing ahead and its engine reads
-    a missing adapter under its lock (tests/test_adapter_reads.py); raylora's way reads it
-    ahead, and never through add_lora, whose insert would make the request wait for one more
-    step boundary than its own add."""
+def test_in_step_read_is_the_peer_arms_and_add_lora_is_off_the_request_path(
+    tiny_model_dir, three_adapters, monkeypatch
+):
+    """read_adapters_in_step (vLLM's way) makes the engine read a missing adapter under its
+    lock (tests/test_adapter_reads.py); raylora's way reads it off the lock. Neither goes
+    through add_lora, whose own hop and insert would make the request wait for one more
+    step boundary than its add."""
     from engine import AsyncLLMEngine
 
-    ahead: list[str] = []
     added: list[str] = []
-    real = AsyncLLMEngine.read_lora_ahead
-
-    async def spy(self, lora_request):
-        ahead.append(lora_request.lora_name)
-        return await real(self, lora_request)
+    modes: list[bool] = []
+    real_generate = AsyncLLMEngine.generate
 
     async def no_add(self, lora_request):
         added.append(lora_request.lora_name)
         raise AssertionError("add_lora on the request path")
 
-    monkeypatch.setattr(AsyncLLMEngine, "read_lora_ahead", spy)
+    def generate(self, *args, **kwargs):
+        modes.append(self.read_loras_off_lock)
+        return real_generate(self, *args, **kwargs)
+
     monkeypatch.setattr(AsyncLLMEngine, "add_lora", no_add)
+    monkeypatch.setattr(AsyncLLMEngine, "generate", generate)
 
     def run(in_step: bool):
         return _serve_then_cached(
             tiny_model_dir, three_adapters, "a", read_adapters_in_step=in_step
         )
 
-    assert asyncio.run(run(True)) == {"a"} and ahead == []
-    assert asyncio.run(run(False)) == {"a"} and ahead == ["a"]
-    assert added == []
+    assert asyncio.run(run(True)) == {"a"}
+    assert asyncio.run(run(False)) == {"a"}
+    assert modes == [False, True] and added == []

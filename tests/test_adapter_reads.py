@@ -1,10 +1,11 @@
-"""AsyncLLMEngine's adapter reads: one read shared by the requests that need it, a read made
-ahead and inserted by the request's own add, failed reads forgotten, and vLLM's in-step read
-(under the engine lock) for the peer arm of benchmarks/routing.py."""
+"""AsyncLLMEngine's adapter reads: one read shared by the requests that need it, made in the
+thread that adds the request (one hop off the event loop), failed reads forgotten, and vLLM's
+in-step read (under the engine lock) for the peer arm of benchmarks/routing.py."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -85,51 +86,57 @@ def test_concurrent_requests_for_one_adapter_share_one_read(tiny_model_dir, adap
     assert pending == {}  # inserted, so no longer held as a pending read
 
 
-def test_a_read_made_ahead_is_inserted_by_the_request(tiny_model_dir, adapter, loads):
-    """read_lora_ahead reads without inserting (the CPU cache does not list it yet); the
-    request's add inserts it, with no second read."""
+def test_the_read_is_made_in_the_thread_that_adds_the_request(
+    tiny_model_dir, adapter, loads, monkeypatch
+):
+    """A request for an adapter missing from the CPU cache costs one worker-thread hop, as one
+    without an adapter does: its read and its add run in the same thread (each hop between
+    the event loop and a worker waits for the GIL while a step runs)."""
+    threads: dict[str, list[int]] = {"read": [], "add": []}
+    real_read, real_add = LLMEngine.read_lora, LLMEngine.add_request
+
+    def read(self, *args, **kwargs):
+        threads["read"].append(threading.get_ident())
+        return real_read(self, *args, **kwargs)
+
+    def add(self, *args, **kwargs):
+        threads["add"].append(threading.get_ident())
+        return real_add(self, *args, **kwargs)
+
+    monkeypatch.setattr(LLMEngine, "read_lora", read)
+    monkeypatch.setattr(LLMEngine, "add_request", add)
 
     async def main():
         eng = async_engine(tiny_model_dir)
         try:
-            lora = LoRARequest("a", 1, adapter)
-            await eng.read_lora_ahead(lora)
-            before = (eng.list_loras(), len(loads), len(eng._reads))
-            await texts(eng, lora, "r")
-            return before, eng.list_loras(), len(loads), len(eng._reads)
+            await texts(eng, LoRARequest("a", 1, adapter), "r")
+            return eng.list_loras(), len(eng._reads)
         finally:
             await eng.shutdown()
 
-    before, after, reads, pending = asyncio.run(main())
-    assert before == ([], 1, 1)
-    assert after == ["a"] and reads == 1 and pending == 0
+    assert asyncio.run(main()) == (["a"], 0)
+    assert len(loads) == 1 and len(threads["read"]) == 1 and threads["read"] == threads["add"]
+    assert threads["read"][0] != threading.main_thread().ident
 
 
-def test_a_failed_read_is_forgotten_and_a_removed_adapter_read_again(
-    tiny_model_dir, adapter, tmp_path, loads
-):
-    """A read that fails fails its request and is not kept: the next request reads again.
-    A read made ahead of a remove_lora is dropped with it."""
+def test_a_failed_read_is_forgotten(tiny_model_dir, adapter, tmp_path, loads):
+    """A read that fails fails its request and is not kept: the next request reads again,
+    and the engine serves other adapters as before."""
 
     async def main():
         eng = async_engine(tiny_model_dir)
         try:
             missing = LoRARequest("m", 2, str(tmp_path / "nothing-here"))
-            for _ in range(2):
+            for i in range(2):
                 with pytest.raises(LoRAError):
-                    await texts(eng, missing, "bad")
+                    await texts(eng, missing, f"bad{i}")
             failed_reads = len(loads)
-            lora = LoRARequest("a", 1, adapter)
-            await eng.read_lora_ahead(lora)
-            eng.remove_lora("a")
-            await texts(eng, lora, "r")
-            return failed_reads, len(loads)
+            await texts(eng, LoRARequest("a", 1, adapter), "r")
+            return failed_reads, len(loads), len(eng._reads)
         finally:
             await eng.shutdown()
 
-    failed_reads, reads = asyncio.run(main())
-    assert failed_reads == 2
-    assert reads == 4  # the removed read-ahead, then the request's own
+    assert asyncio.run(main()) == (2, 3, 0)
 
 
 def test_read_loras_off_lock_false_reads_under_the_lock(tiny_model_dir, adapter, loads):
