@@ -197,9 +197,11 @@ class LLMEngine:
             "hits": slots.num_hits,
             "misses": slots.num_activations,
         }
-        if self.model_runner.lora_manager is not None:
-            lora["loads"] = self.model_runner.lora_manager.num_loads
-            lora["shared_reads"] = self.model_runner.lora_manager.num_shared_reads
+        manager = self.model_runner.lora_manager
+        if manager is not None:
+            lora["loads"] = manager.num_loads
+            lora["shared_reads"] = manager.num_shared_reads
+            lora.update(manager.read_costs_ms())
         in_slots, in_cpu = self.residency()
         cache = self.block_manager.stats
         return {

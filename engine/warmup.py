@@ -114,6 +114,7 @@ def _counters(engine: LLMEngine) -> list[tuple[object, str]]:
     manager = engine.model_runner.lora_manager
     if manager is not None:
         names = ("num_loads", "num_cpu_hits", "num_cpu_evictions", "num_shared_reads")
+        names += ("local_read_s", "tier_fetch_s")  # what LoRAManager.tier_first compares
         out += [(manager, a) for a in names]
     return out
 

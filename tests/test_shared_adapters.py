@@ -88,12 +88,14 @@ def test_one_replica_reads_a_key_while_the_others_wait():
 class DictTier:
     """An in-process AdapterTier: what the Ray one does, without Ray."""
 
-    def __init__(self) -> None:
+    def __init__(self, fetch_s: float = 0.0) -> None:
         self.store: dict[tuple[str, str], object] = {}
         self.fetches = self.publishes = self.abandons = 0
+        self.fetch_s = fetch_s  # what a fetch costs
 
     def fetch(self, lora):
         self.fetches += 1
+        time.sleep(self.fetch_s)
         return self.store.get((lora.lora_name, lora.lora_path))
 
     def publish(self, lora, adapter) -> None:
@@ -133,6 +135,32 @@ def test_a_second_engine_takes_the_adapter_from_the_tier(tiny_model_dir, tmp_pat
         small.read_lora(lora, tier)
     assert small.stats()["lora"]["shared_reads"] == 0
     assert tier.abandons == 1 and tier.publishes == 1  # the failed read ended its claim
+
+
+def test_a_local_folder_is_read_where_the_tier_measured_slower(tiny_model_dir, tmp_path):
+    """An engine asks the tier first until it measured a fetch slower than its own local
+    read; then it reads local folders itself (and still shares them), while a source that is
+    not a local folder (a Hub id: a download) is always asked of the tier first."""
+    sets = make_adapter_set(tiny_model_dir, tmp_path)
+    x, y, z = (LoRARequest(n, i, str(sets[n])) for i, n in enumerate(("qv4", "all16", "mlp8"), 1))
+    tier = DictTier(fetch_s=0.3)  # a slow tier: a local read of a tiny adapter is ~ms
+    cfg = EngineConfig(model=tiny_model_dir, max_loras=2, max_lora_rank=16)
+    LLMEngine(cfg).read_lora(y, tier)  # another replica shares y and z
+    LLMEngine(cfg).read_lora(z, tier)
+    engine = LLMEngine(cfg)
+    engine.read_lora(x, tier)  # nothing measured: the tier first (a miss), then the read
+    assert tier.fetches == 3 and engine.stats()["lora"]["tier_fetch_ms"] is None
+    engine.read_lora(y, tier)  # a local read measured, no fetch yet: the tier first (a hit)
+    lora = engine.stats()["lora"]
+    assert tier.fetches == 4 and lora["shared_reads"] == 1
+    assert lora["tier_fetch_ms"] >= 300 > lora["local_read_ms"]
+    engine.read_lora(z, tier)  # now slower than reading: read here, share anyway
+    assert tier.fetches == 4 and engine.stats()["lora"]["shared_reads"] == 1
+    assert tier.publishes == 4
+    hub = LoRARequest("hub-ad", 9, "some-org/some-adapter")  # not a local folder
+    tier.store[("hub-ad", "some-org/some-adapter")] = engine.read_lora(y, None)
+    engine.read_lora(hub, tier)  # a download is always asked of the tier first
+    assert tier.fetches == 5 and engine.stats()["lora"]["shared_reads"] == 2
 
 
 # -- the Ray object store tier -------------------------------------------------------------

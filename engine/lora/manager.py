@@ -12,6 +12,8 @@ Modules an adapter does not target stay zero in its slot, so they contribute not
 """
 
 import hashlib
+import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol
@@ -61,6 +63,9 @@ class LoRAManager:
         self.slot_names: list[str | None] = [None] * config.max_loras
         self.num_loads = self.num_cpu_hits = self.num_cpu_evictions = 0
         self.num_shared_reads = 0  # reads answered by an AdapterTier (not disk/Hub)
+        # seconds, moving averages: reads of a local folder, and fetches a tier answered
+        self.local_read_s: float | None = None
+        self.tier_fetch_s: float | None = None
         self.linears = linears
         L, R = config.max_loras, config.max_lora_rank
         for lin in linears.values():
@@ -88,23 +93,47 @@ class LoRAManager:
     def read_lora(self, lora: LoRARequest, tier: AdapterTier | None = None) -> LoRAAdapter:
         """Read and validate an adapter (raises LoRAError). Uses only the immutable model spec,
         so it is safe in a worker thread while the engine steps (the content hash too).
-        tier: fetch it there first; what is read from disk/Hub is published there."""
-        if tier is not None:
+        tier: fetch it there first (`tier_first`); what is read from disk/Hub is published
+        there."""
+        local = os.path.isdir(lora.lora_path or "")
+        use_tier = tier is not None and self.tier_first(local)
+        if use_tier:
+            t0 = time.perf_counter()
             adapter = tier.fetch(lora)
             # another deployment's limits may differ: what this one cannot take is a miss
             if adapter is not None and adapter.rank <= self.config.max_lora_rank:
+                self.tier_fetch_s = _average(self.tier_fetch_s, time.perf_counter() - t0)
                 self.num_shared_reads += 1  # a worker thread: a stats counter, not exact
                 return adapter
+        t0 = time.perf_counter()
         try:
             adapter = load_adapter(lora.lora_path, lora.lora_name, self.spec)
             adapter.identity = adapter_identity(adapter)
         except BaseException:
-            if tier is not None:
+            if use_tier:
                 tier.abandon(lora)  # another replica may be waiting for this read
             raise
+        if local:
+            self.local_read_s = _average(self.local_read_s, time.perf_counter() - t0)
         if tier is not None:
             tier.publish(lora, adapter)
         return adapter
+
+    def read_costs_ms(self) -> dict[str, float | None]:
+        """What tier_first compares (moving averages; None until measured)."""
+        ms = {"local_read_ms": self.local_read_s, "tier_fetch_ms": self.tier_fetch_s}
+        return {k: None if v is None else 1000 * v for k, v in ms.items()}
+
+    def tier_first(self, local: bool) -> bool:
+        """Ask the shared tier before reading? Always for a source that is not a local folder
+        (a Hub or object-storage download: seconds, and every replica would pay it). For a
+        local folder, unless this replica measured a tier fetch slower than a local read:
+        small adapters on a local disk read in a millisecond or two, and a fetch (a registry
+        call, an object-store get) took longer on the real 4-replica app (p99 44 against
+        39 ms without the tier, docs/routing.md)."""
+        if not local or self.local_read_s is None or self.tier_fetch_s is None:
+            return True
+        return self.tier_fetch_s <= self.local_read_s
 
     def insert_lora(self, lora: LoRARequest, adapter: LoRAAdapter) -> LoRAAdapter:
         """Put a read adapter into the CPU cache (evicting the LRU unpinned one if full). If
@@ -186,6 +215,7 @@ class LoRAManager:
         return {
             "loads": self.num_loads,
             "shared_reads": self.num_shared_reads,  # of the reads, fetched from a shared tier
+            **self.read_costs_ms(),
             "cpu_hits": self.num_cpu_hits,
             "cpu_evictions": self.num_cpu_evictions,
             "adapters_in_slots": slots,
@@ -215,3 +245,8 @@ def _check_same_source(lora: LoRARequest, cached: LoRAAdapter) -> None:
             f"adapter {lora.lora_name!r} is already loaded from {cached.source!r}; "
             f"remove it before loading it from {lora.lora_path!r}"
         )
+
+
+def _average(old: float | None, new: float, weight: float = 0.2) -> float:
+    """Exponential moving average (the first sample as it is)."""
+    return new if old is None else (1 - weight) * old + weight * new
