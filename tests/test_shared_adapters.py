@@ -138,9 +138,10 @@ def test_a_second_engine_takes_the_adapter_from_the_tier(tiny_model_dir, tmp_pat
 
 
 def test_a_local_folder_is_read_where_the_tier_measured_slower(tiny_model_dir, tmp_path):
-    """An engine asks the tier first until it measured a fetch slower than its own local
-    read; then it reads local folders itself (and still shares them), while a source that is
-    not a local folder (a Hub id: a download) is always asked of the tier first."""
+    """An engine asks the tier first until it measured asking (a hit or a miss) slower than
+    its own local read; then it reads local folders itself and does not share them, while a
+    source that is not a local folder (a Hub id: a download) is always asked of the tier
+    first. Where asking is faster, it goes on asking and takes the shared copies."""
     sets = make_adapter_set(tiny_model_dir, tmp_path)
     x, y, z = (LoRARequest(n, i, str(sets[n])) for i, n in enumerate(("qv4", "all16", "mlp8"), 1))
     tier = DictTier(fetch_s=0.3)  # a slow tier: a local read of a tiny adapter is ~ms
@@ -149,18 +150,24 @@ def test_a_local_folder_is_read_where_the_tier_measured_slower(tiny_model_dir, t
     LLMEngine(cfg).read_lora(z, tier)
     engine = LLMEngine(cfg)
     engine.read_lora(x, tier)  # nothing measured: the tier first (a miss), then the read
-    assert tier.fetches == 3 and engine.stats()["lora"]["tier_fetch_ms"] is None
-    engine.read_lora(y, tier)  # a local read measured, no fetch yet: the tier first (a hit)
     lora = engine.stats()["lora"]
-    assert tier.fetches == 4 and lora["shared_reads"] == 1
+    assert tier.fetches == 3 and tier.publishes == 3  # the miss's read ends its claim
     assert lora["tier_fetch_ms"] >= 300 > lora["local_read_ms"]
-    engine.read_lora(z, tier)  # now slower than reading: read here, share anyway
-    assert tier.fetches == 4 and engine.stats()["lora"]["shared_reads"] == 1
-    assert tier.publishes == 4
+    engine.read_lora(y, tier)  # asking is slower than reading: read here, no share
+    assert tier.fetches == 3 and tier.publishes == 3
+    assert engine.stats()["lora"]["shared_reads"] == 0
     hub = LoRARequest("hub-ad", 9, "some-org/some-adapter")  # not a local folder
     tier.store[("hub-ad", "some-org/some-adapter")] = engine.read_lora(y, None)
     engine.read_lora(hub, tier)  # a download is always asked of the tier first
-    assert tier.fetches == 5 and engine.stats()["lora"]["shared_reads"] == 2
+    assert tier.fetches == 4 and engine.stats()["lora"]["shared_reads"] == 1
+
+    fast = DictTier()  # a tier faster than the disk: asked every time
+    LLMEngine(cfg).read_lora(y, fast)
+    engine = LLMEngine(cfg)
+    engine.read_lora(x, fast)  # a miss: read and shared
+    engine.read_lora(y, fast)  # a hit
+    assert fast.fetches == 3 and fast.publishes == 2
+    assert engine.stats()["lora"]["shared_reads"] == 1
 
 
 # -- the Ray object store tier -------------------------------------------------------------

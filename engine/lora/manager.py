@@ -93,16 +93,18 @@ class LoRAManager:
     def read_lora(self, lora: LoRARequest, tier: AdapterTier | None = None) -> LoRAAdapter:
         """Read and validate an adapter (raises LoRAError). Uses only the immutable model spec,
         so it is safe in a worker thread while the engine steps (the content hash too).
-        tier: fetch it there first (`tier_first`); what is read from disk/Hub is published
-        there."""
+        tier: ask it first (`tier_first`); what is read from disk/Hub after asking it is
+        published there. A replica that reads local folders itself does not publish them:
+        it found asking slower, and so would its peers."""
         local = os.path.isdir(lora.lora_path or "")
         use_tier = tier is not None and self.tier_first(local)
         if use_tier:
             t0 = time.perf_counter()
             adapter = tier.fetch(lora)
+            # what asking costs, hit or miss (a miss is a registry round trip before the read)
+            self.tier_fetch_s = _average(self.tier_fetch_s, time.perf_counter() - t0)
             # another deployment's limits may differ: what this one cannot take is a miss
             if adapter is not None and adapter.rank <= self.config.max_lora_rank:
-                self.tier_fetch_s = _average(self.tier_fetch_s, time.perf_counter() - t0)
                 self.num_shared_reads += 1  # a worker thread: a stats counter, not exact
                 return adapter
         t0 = time.perf_counter()
@@ -115,7 +117,7 @@ class LoRAManager:
             raise
         if local:
             self.local_read_s = _average(self.local_read_s, time.perf_counter() - t0)
-        if tier is not None:
+        if use_tier:  # ends this replica's claim on the key, if the fetch made one
             tier.publish(lora, adapter)
         return adapter
 
@@ -127,10 +129,11 @@ class LoRAManager:
     def tier_first(self, local: bool) -> bool:
         """Ask the shared tier before reading? Always for a source that is not a local folder
         (a Hub or object-storage download: seconds, and every replica would pay it). For a
-        local folder, unless this replica measured a tier fetch slower than a local read:
-        small adapters on a local disk read in a millisecond or two, and a fetch (a registry
-        call, an object-store get) took longer on the real 4-replica app (p99 44 against
-        39 ms without the tier, docs/routing.md)."""
+        local folder, unless this replica measured asking the tier (a hit or a miss) slower
+        than a local read: small adapters on a local disk read in a millisecond or two, and
+        asking (a registry call, an object-store get) took longer on the real 4-replica app
+        (a first touch 9 ms to its first token against 4.9 without the tier,
+        docs/benchmarks.md)."""
         if not local or self.local_read_s is None or self.tier_fetch_s is None:
             return True
         return self.tier_fetch_s <= self.local_read_s
