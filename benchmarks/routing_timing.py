@@ -7,10 +7,10 @@ load when it arrived. The benchmark calls it in every arm alike (the wrapper cos
 
   to_replica   driver send -> the replica's method starts (routing, Ray's transport, the
                replica's event loop)
-  adapter      -> the adapter's LoRARequest is ready (catalog lookup; raylora's engine reads
-               a missing adapter in a worker thread here, from disk or the shared tier)
-  first_token  -> the first output (engine queue, an in-step read in the peer's engine, slot
-               activation, prefill)
+  adapter      -> the adapter's LoRARequest is ready (the catalog lookup)
+  first_token  -> the first output (a missing adapter's read: raylora's in the thread that
+               adds the request, off the engine lock, the peer's under it; the engine queue,
+               slot activation, prefill)
   rest         -> the last output (decode)
   back         -> the driver has the answer
 
@@ -22,37 +22,46 @@ from __future__ import annotations
 import contextvars
 import statistics
 import time
+from collections import Counter
 
 from deployments.llm_server import LLMServer
 
 PHASES = ("to_replica", "adapter", "first_token", "rest", "back")
 
-# the running request's timing dict, for the _lora_request override (same task as _run)
+# the running request's timing dict, for the _lora_request and _run overrides (same task)
 _TIMING: contextvars.ContextVar[dict | None] = contextvars.ContextVar("timing", default=None)
 
 
 class TimedLLMServer(LLMServer):
     async def complete_timed(self, request):
+        """`complete`, and the replica's times of the request's phases."""
         timing = {"arrive": time.time(), "inflight": self._num_inflight, "replica": self.replica_id}
         token = _TIMING.set(timing)
         try:
-            final = None
-            async for out, first in self._run(request):
-                if first:
-                    timing["first"] = time.time()
-                final = out
+            out = await self.complete(request)
         finally:
             _TIMING.reset(token)
         timing["done"] = time.time()
         timing.setdefault("lora", timing["arrive"])
-        return self._output(final, [(o, 0, 0, None) for o in final.outputs], True, request), timing
+        return out, timing
 
     async def _lora_request(self, name: str):
         out = await super()._lora_request(name)
-        timing = _TIMING.get()
-        if timing is not None:
-            timing["lora"] = time.time()
+        _mark("lora")
         return out
+
+    async def _run(self, request):
+        async for out, first in super()._run(request):
+            if first:
+                _mark("first")
+            yield out, first
+
+
+def _mark(phase: str) -> None:
+    """Note when the running request (complete_timed's, in this task) reached `phase`."""
+    timing = _TIMING.get()
+    if timing is not None:
+        timing[phase] = time.time()
 
 
 def phases(sent: float, received: float, t: dict) -> dict[str, float]:
@@ -70,25 +79,15 @@ def summarize(timings: dict[int, dict], tail: float = 0.01) -> dict:
     def mean_phases(rs: list[dict]) -> dict[str, float]:
         return {p: statistics.fmean(r["phases"][p] for r in rs) for p in PHASES}
 
-    per_replica: dict[str, int] = {}
-    for r in slow:
-        per_replica[r["replica"]] = per_replica.get(r["replica"], 0) + 1
     return {
         "all": mean_phases(rows),
         "tail": mean_phases(slow),
         "tail_n": len(slow),
-        "tail_replicas": sorted(per_replica.values(), reverse=True),
+        "tail_replicas": sorted(Counter(r["replica"] for r in slow).values(), reverse=True),
         "tail_inflight": statistics.fmean(r["inflight"] for r in slow),
         "all_inflight": statistics.fmean(r["inflight"] for r in rows),
-        "served": sorted(_count(rows, "replica").values(), reverse=True),
+        "served": sorted(Counter(r["replica"] for r in rows).values(), reverse=True),
     }
-
-
-def _count(rows: list[dict], key: str) -> dict:
-    out: dict = {}
-    for r in rows:
-        out[r[key]] = out.get(r[key], 0) + 1
-    return out
 
 
 def print_summary(policy: str, s: dict) -> None:

@@ -244,9 +244,9 @@ class RayAdapterTier:
         assert self._publishing is not None
         while True:
             lora, adapter = self._publishing.get()
-            self.publish_now(lora, adapter)
+            self._publish_now(lora, adapter)
 
-    def publish_now(self, lora: LoRARequest, adapter: LoRAAdapter) -> None:
+    def _publish_now(self, lora: LoRARequest, adapter: LoRAAdapter) -> None:
         """What publish does, in the caller's thread."""
         import ray
 

@@ -194,12 +194,13 @@ class AsyncLLMEngine:
         if not mine:
             return (to_read, read.result()), None
         try:
-            read.set_result(self.engine.read_lora(to_read, self.adapter_tier))
+            adapter = self.engine.read_lora(to_read, self.adapter_tier)
         except BaseException as e:
             read.set_exception(e)
             self._read_done((key, read))
             raise
-        return (to_read, read.result()), (key, read)
+        read.set_result(adapter)
+        return (to_read, adapter), (key, read)
 
     def _read_done(self, owned: tuple[ReadKey, concurrent.futures.Future] | None) -> None:
         """The read is inserted (or failed): later requests find it in the CPU cache."""
