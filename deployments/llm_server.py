@@ -316,8 +316,9 @@ class LLMServer:
     # ------------------------------------------------------------------ stats for routing
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """Read by the AdapterAffinityRouter every request_routing_stats_period_s."""
-        stats = self.engine.stats()
+        """Read by the AdapterAffinityRouter every request_routing_stats_period_s (on this
+        replica's event loop: the stats of the last step, not waiting for the one running)."""
+        stats = self.engine.latest_stats()
         return {
             "adapters_in_slots": list(stats["adapters_in_slots"]),
             "adapters_in_cpu": list(stats["adapters_in_cpu"]),
@@ -337,7 +338,7 @@ class LLMServer:
         only while more distinct adapters are in flight than there are slots (otherwise an
         idle slot can be taken at the next step and nobody is blocked on slots).
         """
-        stats = self.engine.stats()
+        stats = self.engine.latest_stats()
         now = time.monotonic()
         num_activations = int(stats.get("lora", {}).get("activations", 0))
         last_time, last_requests, last_activations = self._autoscaling_sample

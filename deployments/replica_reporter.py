@@ -100,7 +100,7 @@ class ReplicaReporter:
     async def report(self, sync_catalog: bool) -> None:
         """Push residency to the registry (+ the catalog this replica knows); on a periodic
         report also refresh the catalog and drop adapters that were unregistered."""
-        stats = self.engine.stats()
+        stats = self.engine.latest_stats()  # on the event loop: never wait for a step
         self._update_metrics(stats)
         if self.registry is None:
             self.registry = self._get_registry()
@@ -117,7 +117,7 @@ class ReplicaReporter:
         )
         if sync_catalog:
             await self.refresh_catalog()
-            self.drop_unregistered()
+            await asyncio.to_thread(self.drop_unregistered)  # takes the engine lock
 
     def drop_unregistered(self) -> None:
         """Free the memory of adapters the catalog no longer lists; one that still has

@@ -53,6 +53,8 @@ class AsyncLLMEngine:
         self._stopping = False
         self._listeners: list[Callable[[list[str], list[str]], None]] = []
         self._residency: tuple[list[str], list[str]] = ([], [])
+        # engine.stats() as of the last step or adapter change (latest_stats)
+        self._latest_stats: dict = self.engine.stats()
         self._dead_error: EngineDeadError | None = None
         # where adapter reads look before disk/Hub (LLMServer sets the object-store tier)
         self.adapter_tier: AdapterTier | None = None
@@ -168,7 +170,7 @@ class AsyncLLMEngine:
                         info = self.engine.insert_lora(*read)
             finally:
                 self._read_done(owned)
-            self._notify_residency()
+            self._publish_state()
             return info
 
         return await asyncio.to_thread(insert)
@@ -213,7 +215,7 @@ class AsyncLLMEngine:
     def remove_lora(self, lora_name: str) -> bool:
         with self._lock:
             removed = self.engine.remove_lora(lora_name)
-        self._notify_residency()
+        self._publish_state()
         return removed
 
     def list_loras(self) -> list[str]:
@@ -224,8 +226,16 @@ class AsyncLLMEngine:
         return self.engine.input_processor.apply_chat_template(messages)
 
     def stats(self) -> dict:
+        """engine.stats() now: waits for the engine lock, so for as long as a step runs."""
         with self._lock:
             return self.engine.stats()
+
+    def latest_stats(self) -> dict:
+        """engine.stats() as of the last step or adapter change, without the lock: for
+        callers on an event loop (routing stats, residency reports), which would otherwise
+        stall every request they serve while a step ends and the GIL comes back (up to the
+        5 ms switch interval). Read-only: the dict is shared."""
+        return self._latest_stats
 
     def add_residency_listener(self, callback: Callable[[list[str], list[str]], None]) -> None:
         """callback(adapters_in_slots, adapters_in_cpu), called from the engine thread on change."""
@@ -261,7 +271,7 @@ class AsyncLLMEngine:
                     self._wakeup.wait(timeout=0.5)
                     continue
                 self._step()
-                self._notify_residency()
+                self._publish_state()
         except BaseException as e:  # a bug outside one request: fail everyone, loudly
             self._die(e)
 
@@ -296,12 +306,14 @@ class AsyncLLMEngine:
             error.__cause__ = e
             _deliver(route, error)
 
-    def _notify_residency(self) -> None:
-        if not self._listeners:
-            return
+    def _publish_state(self) -> None:
+        """After a step or an adapter change: refresh latest_stats (2-3 us) and tell the
+        residency listeners if the slots or the CPU cache changed."""
         with self._lock:
-            now = self.engine.residency()
-        if now != self._residency:
+            stats = self.engine.stats()
+        self._latest_stats = stats
+        now = (stats["adapters_in_slots"], stats["adapters_in_cpu"])
+        if self._listeners and now != self._residency:
             self._residency = now
             for cb in self._listeners:
                 cb(*now)

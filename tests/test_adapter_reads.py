@@ -158,3 +158,31 @@ def test_read_loras_off_lock_false_reads_under_the_lock(tiny_model_dir, adapter,
     assert loads == [True]
     assert asyncio.run(main(True)) == ["a"]
     assert loads == [True, False]
+
+
+def test_latest_stats_never_waits_for_the_lock_and_follows_steps(tiny_model_dir, adapter):
+    """latest_stats (what a replica's event loop reads for routing and residency reports)
+    returns while a step holds the engine lock, and after the step it is what stats() says."""
+
+    async def main():
+        eng = async_engine(tiny_model_dir)
+        try:
+            before = eng.latest_stats()
+            await texts(eng, LoRARequest("a", 1, adapter), "r")
+            await asyncio.sleep(0.05)  # the loop refreshes after the step that finished r
+            after, exact = eng.latest_stats(), eng.stats()
+            with eng._lock:  # as a running step holds it
+                start = time.perf_counter()
+                held = eng.latest_stats()
+                waited = time.perf_counter() - start
+            return before, after, exact, held, waited
+        finally:
+            await eng.shutdown()
+
+    before, after, exact, held, waited = asyncio.run(main())
+    assert before["adapters_in_cpu"] == [] and before["lora"]["activations"] == 0
+    assert after["adapters_in_slots"] == exact["adapters_in_slots"] == ["a"]
+    assert after["adapters_in_cpu"] == exact["adapters_in_cpu"] == ["a"]
+    assert after["lora"] == exact["lora"] and after["lora"]["activations"] == 1
+    assert after["num_running"] == after["num_waiting"] == 0
+    assert held is after and waited < 0.01
