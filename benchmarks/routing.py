@@ -336,6 +336,27 @@ def medians(results: list[dict]) -> list[dict]:
     return out
 
 
+def pooled_p99_ms(runs: list[dict]) -> float:
+    """p99 of every request of every run (a run's p99 rests on its slowest 1%: 24 requests of
+    2,400; pooled, the slowest 1% of all of them)."""
+    lat = sorted(x for r in runs for x in r["latency_ms"].values())
+    return lat[min(len(lat) - 1, int(0.99 * len(lat)))]
+
+
+def print_p99_spread(results: list[dict], peer: str) -> None:
+    """Not judged: how far a p99 moves between runs, and the runs pooled."""
+    by = {p: [r for r in results if r["policy"] == p] for p in ("affinity", peer)}
+    a, m = pooled_p99_ms(by["affinity"]), pooled_p99_ms(by[peer])
+    runs = ", ".join(
+        f"{x['p99_ms']:.0f}/{y['p99_ms']:.0f}"
+        for x, y in zip(by["affinity"], by[peer], strict=True)
+    )
+    print(
+        f"  (not judged) p99 per run, affinity/{peer}: {runs}; all runs pooled: "
+        f"{a:.0f} vs {m:.0f} ms ({a / m:.2f}x)"
+    )
+
+
 def judge(rows: dict[str, dict], min_disk: int, p99_tolerance: float) -> list[tuple[str, bool]]:
     """The issue's bar for affinity against ray_multiplex: [(what, met)]."""
     a, m = rows["affinity"], rows[PEER]
@@ -471,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
         for what, met in judge(rows, len(counts), args.p99_tolerance):
             print(f"  {'met    ' if met else 'NOT MET'} {what}")
             missed |= not met
+    if "affinity" in rows and PEER in rows and args.runs > 1:
+        print_p99_spread(results, PEER)
     same = "ray_multiplex_raylora_engine"
     if "affinity" in rows and same in rows:
         a, m = rows["affinity"], rows[same]
