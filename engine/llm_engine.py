@@ -158,6 +158,10 @@ class LLMEngine:
         lock, while steps run."""
         return self._lora_manager().read_lora(lora_request, tier)
 
+    def quick_read(self, lora_request: LoRARequest, tier: AdapterTier | None = None) -> bool:
+        """Cached, or a local read quick enough to make under the lock (LoRAManager.quick_read)."""
+        return self._lora_manager().quick_read(lora_request, tier)
+
     def insert_lora(self, lora_request: LoRARequest, adapter: LoRAAdapter) -> dict:
         """Put an adapter read by read_lora into the CPU cache; quick."""
         return _lora_info(self._lora_manager().insert_lora(lora_request, adapter))

@@ -186,3 +186,35 @@ def test_latest_stats_never_waits_for_the_lock_and_follows_steps(tiny_model_dir,
     assert after["lora"] == exact["lora"] and after["lora"]["activations"] == 1
     assert after["num_running"] == after["num_waiting"] == 0
     assert held is after and waited < 0.01
+
+
+def test_quick_local_reads_are_made_under_the_lock_until_one_is_slow(
+    tiny_model_dir, adapter, loads
+):
+    """Once this replica's local reads measured less CPU than a GIL switch interval, the next
+    adapter is read under the engine lock (as vLLM reads in its step: beside a step such a
+    read only waits for the GIL); once such a read held the lock longer than that (a slow
+    disk: here every read sleeps 0.2 s), reads go off the lock again."""
+
+    async def main():
+        eng = async_engine(tiny_model_dir)
+        loads.watch(eng)
+        manager = eng.engine.model_runner.lora_manager
+        try:
+            got = [await texts(eng, LoRARequest("a", 1, adapter), "a")]
+            measured = manager.local_read_cpu_s
+            manager.local_read_cpu_s = 0.001  # as a quick disk measures, whatever this one did
+            unread = LoRARequest("z", 9, adapter)
+            decisions = (eng.engine.quick_read(unread), eng.engine.quick_read(unread, object()))
+            for name, lora_id in (("b", 2), ("c", 3)):
+                got.append(await texts(eng, LoRARequest(name, lora_id, adapter), name))
+            return got, measured, decisions
+        finally:
+            await eng.shutdown()
+
+    got, measured, decisions = asyncio.run(main())
+    assert measured is not None  # the first read was measured
+    # quick with no tier; with a tier this replica has not measured, the tier is asked first
+    assert decisions == (True, False)
+    assert loads == [False, True, False]  # unmeasured: off; quick: under the lock; then off
+    assert got[0] == got[1] == got[2]  # one adapter under three names: one output

@@ -13,6 +13,7 @@ Modules an adapter does not target stay zero in its slot, so they contribute not
 
 import hashlib
 import os
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -65,6 +66,7 @@ class LoRAManager:
         self.num_shared_reads = 0  # reads answered by an AdapterTier (not disk/Hub)
         # seconds, moving averages: reads of a local folder, and fetches a tier answered
         self.local_read_s: float | None = None
+        self.local_read_cpu_s: float | None = None  # the reading thread's CPU time (quick_read)
         self.tier_fetch_s: float | None = None
         self.linears = linears
         L, R = config.max_loras, config.max_lora_rank
@@ -107,7 +109,7 @@ class LoRAManager:
             if adapter is not None and adapter.rank <= self.config.max_lora_rank:
                 self.num_shared_reads += 1  # a worker thread: a stats counter, not exact
                 return adapter
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             adapter = load_adapter(lora.lora_path, lora.lora_name, self.spec)
             adapter.identity = adapter_identity(adapter)
@@ -117,6 +119,7 @@ class LoRAManager:
             raise
         if local:
             self.local_read_s = _average(self.local_read_s, time.perf_counter() - t0)
+            self.local_read_cpu_s = _average(self.local_read_cpu_s, time.thread_time() - cpu0)
         if use_tier:  # ends this replica's claim on the key, if the fetch made one
             tier.publish(lora, adapter)
         return adapter
@@ -137,6 +140,23 @@ class LoRAManager:
         if not local or self.local_read_s is None or self.tier_fetch_s is None:
             return True
         return self.tier_fetch_s <= self.local_read_s
+
+    def quick_read(self, lora: LoRARequest, tier: AdapterTier | None = None) -> bool:
+        """Is reading `lora` quick enough to make under the engine lock, as vLLM reads in its
+        step? True if the CPU cache holds it, or if it is a local folder this replica reads
+        itself (`tier_first` false) and its local reads took less CPU than one GIL switch
+        interval (5 ms; KB-sized adapters take ~1 ms). Beside a running step such a read gains
+        nothing (the two threads share the GIL) and waits for the GIL at every turn. CPU time,
+        not wall time: a read beside a step is mostly such waits. The caller guards against a
+        disk that makes reads wait without CPU (AsyncLLMEngine)."""
+        to_read = self.lora_to_read(lora)
+        if to_read is None:
+            return True
+        cpu = self.local_read_cpu_s
+        if cpu is None or cpu >= sys.getswitchinterval():
+            return False
+        local = os.path.isdir(to_read.lora_path or "")
+        return local and (tier is None or not self.tier_first(local))
 
     def insert_lora(self, lora: LoRARequest, adapter: LoRAAdapter) -> LoRAAdapter:
         """Put a read adapter into the CPU cache (evicting the LRU unpinned one if full). If
