@@ -5,7 +5,9 @@ Two engines (`ENGINES`), each the one its router ships with (`SYSTEM_ENGINE`):
 - raylora (deployments/llm_server.py, engine/async_llm_engine.py, scheduler.py, lora/manager.py):
   the replica reads an adapter missing from the CPU cache in a worker thread when the request
   arrives (`AsyncLLMEngine.add_lora`), off the engine lock: steps go on, only that request
-  waits (`async_disk_loads=True`). Slots and CPU cache evict the idle adapter this replica was
+  waits (`async_disk_loads=True`; a read measured quicker than a GIL switch interval is
+  made under the lock, LoRAManager.quick_read, but the reads modelled here take 150 ms or
+  more). Slots and CPU cache evict the idle adapter this replica was
   asked for least (its decayed request counts, `eviction="frequency"`), LRU among ties.
 - vLLM under Ray Serve LLM: the adapter is read into vLLM's CPU cache inside the engine step,
   stalling it (`async_disk_loads=False`); slots and CPU cache are LRU (`eviction="lru"`).

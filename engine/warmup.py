@@ -114,7 +114,8 @@ def _counters(engine: LLMEngine) -> list[tuple[object, str]]:
     manager = engine.model_runner.lora_manager
     if manager is not None:
         names = ("num_loads", "num_cpu_hits", "num_cpu_evictions", "num_shared_reads")
-        names += ("local_read_s", "tier_fetch_s")  # what LoRAManager.tier_first compares
+        # what LoRAManager.tier_first and quick_read compare
+        names += ("local_read_s", "local_read_cpu_s", "tier_fetch_s")
         out += [(manager, a) for a in names]
     return out
 

@@ -125,8 +125,12 @@ class LoRAManager:
         return adapter
 
     def read_costs_ms(self) -> dict[str, float | None]:
-        """What tier_first compares (moving averages; None until measured)."""
-        ms = {"local_read_ms": self.local_read_s, "tier_fetch_ms": self.tier_fetch_s}
+        """What tier_first and quick_read compare (moving averages; None until measured)."""
+        ms = {
+            "local_read_ms": self.local_read_s,
+            "local_read_cpu_ms": self.local_read_cpu_s,
+            "tier_fetch_ms": self.tier_fetch_s,
+        }
         return {k: None if v is None else 1000 * v for k, v in ms.items()}
 
     def tier_first(self, local: bool) -> bool:
