@@ -191,8 +191,8 @@ def test_latest_stats_never_waits_for_the_lock_and_follows_steps(tiny_model_dir,
 def test_quick_local_reads_are_made_under_the_lock_until_one_is_slow(
     tiny_model_dir, adapter, loads
 ):
-    """Once this replica's local reads measured less CPU than a GIL switch interval, the next
-    adapter is read under the engine lock (as vLLM reads in its step: beside a step such a
+    """Once this replica's local reads measured less CPU than a GIL switch interval (and
+    less wall time than ten), the next adapter is read under the engine lock (as vLLM reads in its step: beside a step such a
     read only waits for the GIL); once such a read held the lock longer than that (a slow
     disk: here every read sleeps 0.2 s), reads go off the lock again."""
 
@@ -203,7 +203,8 @@ def test_quick_local_reads_are_made_under_the_lock_until_one_is_slow(
         try:
             got = [await texts(eng, LoRARequest("a", 1, adapter), "a")]
             measured = manager.local_read_cpu_s
-            manager.local_read_cpu_s = 0.001  # as a quick disk measures, whatever this one did
+            # as a quick disk measures, whatever this one did (each read here sleeps 0.2 s)
+            manager.local_read_cpu_s, manager.local_read_s = 0.001, 0.002
             unread = LoRARequest("z", 9, adapter)
             decisions = (eng.engine.quick_read(unread), eng.engine.quick_read(unread, object()))
             for name, lora_id in (("b", 2), ("c", 3)):

@@ -149,15 +149,17 @@ class LoRAManager:
         """Is reading `lora` quick enough to make under the engine lock, as vLLM reads in its
         step? True if the CPU cache holds it, or if it is a local folder this replica reads
         itself (`tier_first` false) and its local reads took less CPU than one GIL switch
-        interval (5 ms; KB-sized adapters take ~1 ms). Beside a running step such a read gains
-        nothing (the two threads share the GIL) and waits for the GIL at every turn. CPU time,
-        not wall time: a read beside a step is mostly such waits. The caller guards against a
-        disk that makes reads wait without CPU (AsyncLLMEngine)."""
+        interval (5 ms; KB-sized adapters take ~1 ms) and less wall time than ten. Beside a
+        running step such a read gains nothing (the two threads share the GIL) and waits for
+        the GIL at every turn. CPU time, because a read beside a step is mostly such waits;
+        the wall-time bound keeps a disk that makes reads wait without CPU (a network file
+        system) off the lock, and the caller stops quick reads for good once one held the
+        lock longer than a switch interval (AsyncLLMEngine)."""
         to_read = self.lora_to_read(lora)
         if to_read is None:
             return True
-        cpu = self.local_read_cpu_s
-        if cpu is None or cpu >= sys.getswitchinterval():
+        cpu, wall, interval = self.local_read_cpu_s, self.local_read_s, sys.getswitchinterval()
+        if cpu is None or wall is None or cpu >= interval or wall >= 10 * interval:
             return False
         local = os.path.isdir(to_read.lora_path or "")
         return local and (tier is None or not self.tier_first(local))
