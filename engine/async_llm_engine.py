@@ -60,7 +60,7 @@ class AsyncLLMEngine:
         # where adapter reads look before disk/Hub (LLMServer sets the object-store tier)
         self.adapter_tier: AdapterTier | None = None
         # False: read a missing adapter under the lock, blocking steps (vLLM's in-step read);
-        # True: off the lock, unless the read is quick (_read_in_lock)
+        # True: off the lock, unless the read is quick (_quick_read)
         self.read_loras_off_lock = True
         self._in_lock_reads_slow = False  # a quick read under the lock took too long once
         # reads in flight or not yet inserted, shared by the requests that need them
@@ -120,23 +120,20 @@ class AsyncLLMEngine:
 
         def add() -> None:
             read, owned = None, None
-            in_lock = lora_request is None or self._read_in_lock(lora_request)
-            if not in_lock:
+            off_lock = lora_request is not None and self.read_loras_off_lock
+            quick = off_lock and self._quick_read(lora_request)
+            if off_lock and not quick:
                 read, owned = self._read_shared(lora_request)  # no lock: steps go on
             try:
                 with self._lock:
                     self.check_health()  # after a death under this lock, no stream fails again
                     if read is not None:
                         self.engine.insert_lora(*read)
-                    quick = (  # a read _read_in_lock judged quick, made by add_request
-                        lora_request is not None
-                        and in_lock
-                        and self.read_loras_off_lock
-                        and self.engine.lora_to_read(lora_request) is not None
-                    )
+                    # a quick read add_request is about to make (not cached meanwhile): timed
+                    timed = quick and self.engine.lora_to_read(lora_request) is not None
                     t0 = time.perf_counter()
                     self.engine.add_request(request_id, prompt, sampling_params, lora_request)
-                    if quick and time.perf_counter() - t0 > sys.getswitchinterval():
+                    if timed and time.perf_counter() - t0 > sys.getswitchinterval():
                         self._in_lock_reads_slow = True  # it held every step up: a slow disk
                     self._streams[request_id] = (loop, queue)
             finally:
@@ -188,17 +185,13 @@ class AsyncLLMEngine:
 
         return await asyncio.to_thread(insert)
 
-    def _read_in_lock(self, lora: LoRARequest) -> bool:
-        """Read `lora` (if the CPU cache lacks it) as the request is added, under the lock?
-        With read_loras_off_lock, only a quick local read (LLMEngine.quick_read): beside a
-        running step it would wait for the GIL (a first touch took 21-26 ms p50 against the
-        in-step read's 20-24 on the real routing app, docs/benchmarks.md); never again once
+    def _quick_read(self, lora: LoRARequest) -> bool:
+        """With read_loras_off_lock: read `lora` (if the CPU cache lacks it) under the lock as
+        the request is added, since the read is quick (LLMEngine.quick_read)? Beside a running
+        step such a read only waits for the GIL (a first touch took 21-26 ms p50 against the
+        in-step read's 20-24 on the real routing app, docs/benchmarks.md). Never again once
         such a read held the lock longer than a GIL switch interval."""
-        if not self.read_loras_off_lock:
-            return True
-        if self._in_lock_reads_slow:
-            return False
-        return self.engine.quick_read(lora, self.adapter_tier)
+        return not self._in_lock_reads_slow and self.engine.quick_read(lora, self.adapter_tier)
 
     def _read_shared(
         self, lora: LoRARequest

@@ -192,9 +192,10 @@ def test_quick_local_reads_are_made_under_the_lock_until_one_is_slow(
     tiny_model_dir, adapter, loads
 ):
     """Once this replica's local reads measured less CPU than a GIL switch interval (and
-    less wall time than ten), the next adapter is read under the engine lock (as vLLM reads in its step: beside a step such a
-    read only waits for the GIL); once such a read held the lock longer than that (a slow
-    disk: here every read sleeps 0.2 s), reads go off the lock again."""
+    less wall time than ten), the next adapter is read under the engine lock (as vLLM reads
+    in its step: beside a step such a read only waits for the GIL); once such a read held
+    the lock longer than that (a slow disk: here every read sleeps 0.2 s), reads go off the
+    lock again."""
 
     async def main():
         eng = async_engine(tiny_model_dir)
