@@ -66,6 +66,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from deployments.gc_heap import freeze_startup_heap, full_collections  # noqa: E402
 from deployments.protocol import GenerateRequest, SamplingSpec  # noqa: E402
 
 
@@ -275,11 +276,18 @@ def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -
             spec = SamplingSpec(max_tokens=2, temperature=0)
             warm = GenerateRequest(f"warm-{i}", spec, prompt="warm up")
             handle.complete.remote(warm).result()
-        before = lora_counts(replica_stats(handle, args.replicas))
+        before_stats = replica_stats(handle, args.replicas)
+        before = lora_counts(before_stats)
         waits_before = registry_waits()
+        driver_gc = full_collections()
+        driver_gc_before = (driver_gc.count, driver_gc.total_ms)
         t0 = time.perf_counter()
         latencies, timings, errors = asyncio.run(replay(handle, trace, args.max_tokens))
         wall = time.perf_counter() - t0
+        driver_gc_run = (
+            driver_gc.count - driver_gc_before[0],
+            driver_gc.total_ms - driver_gc_before[1],
+        )
         after_stats = replica_stats(handle, args.replicas)
         after = lora_counts(after_stats)
         waits = registry_waits() - waits_before
@@ -289,6 +297,13 @@ def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -
     disk = sum(after[r]["disk"] - before[r]["disk"] for r in after)
     shared = sum(after[r]["shared"] - before[r]["shared"] for r in after)
     resident = [len(s["adapters_in_cpu"]) for s in after_stats.values()]
+    replica_gc = [
+        (
+            s["gc"]["full_collections"] - before_stats[r]["gc"]["full_collections"],
+            s["gc"]["full_collection_ms_total"] - before_stats[r]["gc"]["full_collection_ms_total"],
+        )
+        for r, s in after_stats.items()
+    ]
     lat = sorted(latencies.values())
     return {
         "policy": policy,
@@ -298,6 +313,10 @@ def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -
         "disk": disk,
         "shared": shared,
         "tier_waits": waits,
+        # full garbage collections during the replay: (count, ms in all), the driver's (it
+        # hosts the router) and each replica's (deployments/gc_heap.py)
+        "driver_gc": driver_gc_run,
+        "replica_gc": replica_gc,
         "loads": activations + disk,
         "p50_ms": 1000 * lat[len(lat) // 2] if lat else float("nan"),
         "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else float("nan"),
@@ -322,6 +341,10 @@ def print_table(results: list[dict], num_requests: int) -> None:
             f"{r.get('shared', 0):>8}{r['loads']:>11}{r['loads'] / num_requests:>11.2f}{r['p50_ms']:>7.0f}ms"
             f"{r['p99_ms']:>7.0f}ms  {r.get('cpu_cached_per_replica', '')}"
         )
+
+
+def _gc_text(counts: list[tuple[int, float]]) -> str:
+    return ", ".join(f"{n} ({ms:.0f} ms)" for n, ms in counts)
 
 
 def medians(results: list[dict]) -> list[dict]:
@@ -405,6 +428,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, default=Path.home() / ".cache/raylora/bench-routing")
     p.add_argument("--smoke", action="store_true", help="2 replicas, 6 adapters, 60 requests")
     p.add_argument(
+        "--no-gc-freeze",
+        action="store_true",
+        help="leave this driver's start-up heap unfrozen (its full GCs then stall the router)",
+    )
+    p.add_argument(
         "--latencies-out",
         type=Path,
         default=None,
@@ -453,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     try:
         serve.start(proxy_location="Disabled")
+        if not args.no_gc_freeze:  # this process hosts the router (deployments/gc_heap.py)
+            freeze_startup_heap("benchmark driver")
         for run in range(args.runs):
             # ABCD, DCBA, ...: drift over time (a busier machine) hits every policy alike
             for policy in policies if run % 2 == 0 else policies[::-1]:
@@ -460,7 +490,9 @@ def main(argv: list[str] | None = None) -> int:
                 r = results[-1]
                 print(
                     f"  run {run + 1} {policy}: done in {r['wall_s']:.1f}s "
-                    f"({r['tier_waits']} waits for another replica's read of an adapter)",
+                    f"({r['tier_waits']} waits for another replica's read of an adapter; "
+                    f"full GCs (count, ms): driver {_gc_text([r['driver_gc']])}, "
+                    f"replicas {_gc_text(r['replica_gc'])})",
                     flush=True,
                 )
                 if r["timing"] is not None:

@@ -257,7 +257,10 @@ def test_malformed_requests_leave_the_app_serving(served, client, offline):
     assert Path(base)  # the base model's name is a folder name here
     for _ in range(4):  # base requests land on both replicas
         test_completions_match_offline_engine(client, offline)
-    assert len(replica_stats(APP, want=2)) == 2
+    stats = replica_stats(APP, want=2)
+    assert len(stats) == 2
+    # each replica froze its start-up heap (deployments/gc_heap.py): torch, Ray, the engine
+    assert all(s["gc"]["frozen_objects"] > 100_000 for s in stats.values()), stats
 
 
 def test_nan_sampling_values_through_a_handle_are_refused(served, client, offline):
