@@ -66,7 +66,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from deployments.gc_heap import freeze_startup_heap, full_collections  # noqa: E402
+from deployments.gc_heap import FREEZE_ENV, freeze_startup_heap, full_collections  # noqa: E402
 from deployments.protocol import GenerateRequest, SamplingSpec  # noqa: E402
 
 
@@ -430,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--no-gc-freeze",
         action="store_true",
-        help="leave this driver's start-up heap unfrozen (its full GCs then stall the router)",
+        help="leave the start-up heap of this driver (it hosts the router) and of the replicas "
+        "unfrozen: their full GCs then stall what runs there",
     )
     p.add_argument(
         "--latencies-out",
@@ -464,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.max_loras} slots, CPU cache {args.max_cpu_loras}"
     )
 
+    if args.no_gc_freeze:  # the replicas too (they inherit this environment)
+        os.environ[FREEZE_ENV] = "0"
     # Loopback only (see tests/conftest.py); read when ray is imported.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray

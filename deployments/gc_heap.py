@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from typing import Any
 
 logger = logging.getLogger("raylora")
+FREEZE_ENV = "RAYLORA_GC_FREEZE"  # "0": replicas leave their heap unfrozen
 
 
 def freeze_startup_heap(context: str) -> int:
@@ -47,9 +49,11 @@ def freeze_startup_heap(context: str) -> int:
 
 def freeze_in_replica(context: str) -> bool:
     """`freeze_startup_heap` if this process is a Serve replica (it lives as long as the
-    replica); elsewhere nothing. Returns whether it froze."""
+    replica) and RAYLORA_GC_FREEZE is not "0"; elsewhere nothing. Returns whether it froze."""
     from ray import serve
 
+    if os.environ.get(FREEZE_ENV, "1") == "0":
+        return False
     try:
         serve.get_replica_context()
     except Exception:  # not a replica: tests, a plain actor, a driver
