@@ -2,9 +2,10 @@
 count the full collections that are left.
 
 A full (generation 2) collection walks every object the collector tracks, holding the GIL.
-Measured on the 2-core VM: a replica's process after start-up (Ray Serve, torch,
-transformers, the engine) holds ~340,000 such objects, and one full collection took 74 ms
-idle; in benchmarks/routing.py's driver (~200,000) one took 96 ms mid-run, and every request
+Measured on the 2-core VM: a process that has imported what a replica imports (Ray Serve,
+torch, transformers, the engine's modules) holds ~340,000 such objects, and one full
+collection took 74 ms idle; in benchmarks/routing.py's driver (~200,000) one took 96 ms
+mid-run, and every request
 in flight there waited for it (its three slowest requests, 100-150 ms, where the rest took
 under 65). vLLM freezes its heap once warmed up (`gc.freeze()` at the end of
 `compile_or_warm_up_model`), SGLang offers the same; raylora's long-lived processes do it
