@@ -5,12 +5,12 @@ A full (generation 2) collection walks every object the collector tracks, holdin
 Measured on the 2-core VM: a process that has imported what a replica imports (Ray Serve,
 torch, transformers, the engine's modules) holds ~340,000 such objects, and one full
 collection took 74 ms idle; in benchmarks/routing.py's driver (~200,000) one took 96 ms
-mid-run, and every request
-in flight there waited for it (its three slowest requests, 100-150 ms, where the rest took
-under 65). vLLM freezes its heap once warmed up (`gc.freeze()` at the end of
-`compile_or_warm_up_model`), SGLang offers the same; raylora's long-lived processes do it
-once started (`LLMServer`, `Ingress`): what start-up made lives as long as the process, and
-after `gc.freeze()` a full collection walks only what came after.
+mid-run, and every request in flight there waited for it (its three slowest requests,
+100-150 ms, where the rest took under 65). vLLM freezes its heap once warmed up
+(`gc.freeze()` at the end of `compile_or_warm_up_model`), SGLang offers the same; raylora's
+long-lived processes do it once started (`LLMServer`, `Ingress`): what start-up made lives
+as long as the process, and after `gc.freeze()` a full collection walks only what came
+after.
 
 A process that calls raylora through a DeploymentHandle hosts the router
 (deployments/router.py): call `freeze_startup_heap()` there too, once set up.
