@@ -66,7 +66,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from deployments.gc_heap import FREEZE_ENV, freeze_startup_heap, full_collections  # noqa: E402
+from deployments.gc_heap import freeze_startup_heap, full_collections  # noqa: E402
 from deployments.protocol import GenerateRequest, SamplingSpec  # noqa: E402
 
 
@@ -317,6 +317,7 @@ def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -
         # hosts the router) and each replica's (deployments/gc_heap.py)
         "driver_gc": driver_gc_run,
         "replica_gc": replica_gc,
+        "replica_frozen": [s["gc"]["frozen_objects"] for s in after_stats.values()],
         "loads": activations + disk,
         "p50_ms": 1000 * lat[len(lat) // 2] if lat else float("nan"),
         "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else float("nan"),
@@ -465,8 +466,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.max_loras} slots, CPU cache {args.max_cpu_loras}"
     )
 
-    if args.no_gc_freeze:  # the replicas too (they inherit this environment)
-        os.environ[FREEZE_ENV] = "0"
+    if args.no_gc_freeze:  # Ray Serve's own freeze of each replica too (they inherit this)
+        os.environ["RAY_SERVE_FREEZE_GC_ON_STARTUP"] = "0"
     # Loopback only (see tests/conftest.py); read when ray is imported.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
@@ -495,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"  run {run + 1} {policy}: done in {r['wall_s']:.1f}s "
                     f"({r['tier_waits']} waits for another replica's read of an adapter; "
                     f"full GCs (count, ms): driver {_gc_text([r['driver_gc']])}, "
-                    f"replicas {_gc_text(r['replica_gc'])})",
+                    f"replicas {_gc_text(r['replica_gc'])}; objects frozen in each "
+                    f"replica {r['replica_frozen']})",
                     flush=True,
                 )
                 if r["timing"] is not None:

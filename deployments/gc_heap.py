@@ -1,35 +1,31 @@
-"""Python's full garbage collections in a serving process: freeze the start-up heap, and
-count the full collections that are left.
+"""Python's full garbage collections in a serving process: freeze the start-up heap of a
+process that routes, and count the full collections.
 
 A full (generation 2) collection walks every object the collector tracks, holding the GIL.
 Measured on the 2-core VM: a process that has imported what a replica imports (Ray Serve,
 torch, transformers, the engine's modules) holds ~340,000 such objects, and one full
 collection took 74 ms idle; in benchmarks/routing.py's driver (~200,000) one took 96 ms
 mid-run, and every request in flight there waited for it (its three slowest requests,
-100-150 ms, where the rest took under 65). vLLM freezes its heap once warmed up
-(`gc.freeze()` at the end of `compile_or_warm_up_model`), SGLang offers the same; raylora's
-long-lived processes do it once started (`LLMServer`, `Ingress`): what start-up made lives
-as long as the process, and after `gc.freeze()` a full collection walks only what came
-after.
+100-150 ms, where the rest took under 65). After `gc.freeze()` a full collection walks
+only what came after it.
 
-A process that calls raylora through a DeploymentHandle hosts the router
-(deployments/router.py): call `freeze_startup_heap()` there too, once set up.
-
-Not in every process: a frozen object that later becomes cyclic garbage is never collected,
-so a process that builds and drops engines (tests, notebooks) must not freeze:
-`freeze_in_replica` freezes only inside a Serve replica.
+Ray Serve already freezes its replicas' heaps (both deployments here) at the end of their
+initialisation (`RAY_SERVE_FREEZE_GC_ON_STARTUP`, on by default; its proxy likewise), as
+vLLM does after its warm-up. A driver or any other process that calls raylora through a
+DeploymentHandle is not a replica, and it hosts the router (deployments/router.py): call
+`freeze_startup_heap()` there, once set up. Not in a process that builds and drops engines
+(tests, notebooks): a frozen object that later turns into cyclic garbage is never
+collected.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
 from typing import Any
 
 logger = logging.getLogger("raylora")
-FREEZE_ENV = "RAYLORA_GC_FREEZE"  # "0": replicas leave their heap unfrozen
 
 
 def freeze_startup_heap(context: str) -> int:
@@ -46,21 +42,6 @@ def freeze_startup_heap(context: str) -> int:
         1000 * (time.perf_counter() - t0),
     )
     return frozen
-
-
-def freeze_in_replica(context: str) -> bool:
-    """`freeze_startup_heap` if this process is a Serve replica (it lives as long as the
-    replica) and RAYLORA_GC_FREEZE is not "0"; elsewhere nothing. Returns whether it froze."""
-    from ray import serve
-
-    if os.environ.get(FREEZE_ENV, "1") == "0":
-        return False
-    try:
-        serve.get_replica_context()
-    except Exception:  # not a replica: tests, a plain actor, a driver
-        return False
-    freeze_startup_heap(context)
-    return True
 
 
 class FullCollections:

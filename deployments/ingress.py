@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from deployments.gc_heap import freeze_in_replica
 from deployments.grpc_bind import bind_replica_grpc_to_node_ip
 from deployments.openai_app import build_openai_app
 from deployments.openai_protocol import (
@@ -165,7 +164,6 @@ class Ingress:
         self.serving = OpenAIServing(
             ServeLLMBackend(llm_handle), registry, served_model_name, api_key, adapter_roots
         )
-        freeze_in_replica("Ingress")  # this process also hosts the router to LLMServer
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_openai_app(self.serving)

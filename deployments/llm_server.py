@@ -37,7 +37,7 @@ from typing import Any
 
 from ray import serve
 
-from deployments.gc_heap import freeze_in_replica, full_collections
+from deployments.gc_heap import full_collections
 from deployments.grpc_bind import bind_replica_grpc_to_node_ip
 from deployments.multiplexed_ids import MultiplexedIdReporter, push_for_this_replica
 from deployments.placement import AdapterPopularity
@@ -141,8 +141,7 @@ class LLMServer:
             self._multiplex = MultiplexedIdReporter(push)
             self.engine.add_residency_listener(self._multiplex.on_residency)
             self._multiplex.start()
-        self._full_collections = full_collections()
-        freeze_in_replica(f"LLMServer {self.replica_id}")
+        self._full_collections = full_collections()  # stats()["gc"]
 
     # ------------------------------------------------------------------ requests
 

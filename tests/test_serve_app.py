@@ -259,7 +259,8 @@ def test_malformed_requests_leave_the_app_serving(served, client, offline):
         test_completions_match_offline_engine(client, offline)
     stats = replica_stats(APP, want=2)
     assert len(stats) == 2
-    # each replica froze its start-up heap (deployments/gc_heap.py): torch, Ray, the engine
+    # stats()["gc"] (deployments/gc_heap.py) shows the heap Ray Serve froze at the end of
+    # the replica's start-up (RAY_SERVE_FREEZE_GC_ON_STARTUP): torch, Ray, the engine
     assert all(s["gc"]["frozen_objects"] > 100_000 for s in stats.values()), stats
 
 
