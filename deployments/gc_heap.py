@@ -20,6 +20,7 @@ collected.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import time
@@ -74,13 +75,9 @@ class FullCollections:
         }
 
 
-_FULL_COLLECTIONS: FullCollections | None = None
-
-
+@functools.cache
 def full_collections() -> FullCollections:
     """This process's counter, installed on first use."""
-    global _FULL_COLLECTIONS
-    if _FULL_COLLECTIONS is None:
-        _FULL_COLLECTIONS = FullCollections()
-        gc.callbacks.append(_FULL_COLLECTIONS)
-    return _FULL_COLLECTIONS
+    counter = FullCollections()
+    gc.callbacks.append(counter)
+    return counter

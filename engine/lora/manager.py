@@ -98,8 +98,7 @@ class LoRAManager:
         tier: ask it first (`tier_first`); what is read from disk/Hub after asking it is
         published there. A replica that reads local folders itself does not publish them:
         it found asking slower, and so would its peers."""
-        local = os.path.isdir(lora.lora_path or "")
-        use_tier = tier is not None and self.tier_first(local)
+        local, use_tier = self._read_source(lora, tier)
         if use_tier:
             t0 = time.perf_counter()
             adapter = tier.fetch(lora)
@@ -161,8 +160,13 @@ class LoRAManager:
         cpu, wall, interval = self.local_read_cpu_s, self.local_read_s, sys.getswitchinterval()
         if cpu is None or wall is None or cpu >= interval or wall >= 10 * interval:
             return False
-        local = os.path.isdir(to_read.lora_path or "")
-        return local and (tier is None or not self.tier_first(local))
+        local, use_tier = self._read_source(to_read, tier)
+        return local and not use_tier
+
+    def _read_source(self, lora: LoRARequest, tier: AdapterTier | None) -> tuple[bool, bool]:
+        """(is `lora` a local folder, does read_lora ask `tier` first for it)."""
+        local = os.path.isdir(lora.lora_path or "")
+        return local, tier is not None and self.tier_first(local)
 
     def insert_lora(self, lora: LoRARequest, adapter: LoRAAdapter) -> LoRAAdapter:
         """Put a read adapter into the CPU cache (evicting the LRU unpinned one if full). If
