@@ -160,6 +160,7 @@ def simulate(policy: str, cfg: SimConfig, *, check: bool = False) -> SimResult:
                 push(req.finish, DONE, req, replica)
                 continue
             replica.complete(req, now)
+            router.on_done(req)
             done.append(req)
             start(replica, now)
         elif kind == WAKE:  # an adapter read finished: its requests may start

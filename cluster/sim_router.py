@@ -19,12 +19,14 @@ from cluster.sim_config import Request, SimConfig
 from cluster.sim_replica import Replica
 from deployments.placement import PlacementConfig, PlacementPlanner
 from deployments.routing_policy import (
+    InFlight,
     RecentRoutes,
     ReplicaView,
     holders,
     power_of_two,
     rank_by_hash,
     rank_replicas,
+    tail_rank,
 )
 
 POLICIES = (
@@ -67,6 +69,7 @@ class Router:
             PlacementConfig(max_loras=cfg.max_loras, max_moves=cfg.max_moves)
         )
         self.recent = RecentRoutes()  # what this router sent, held until residency shows it
+        self.inflight = InFlight()  # the adapters of its requests not finished, per replica
         # the prefix router's tree, reduced to what it decides on: which replicas it sent
         # each tenant's prefix to, and how much text it sent each replica
         self.routed_tenants: dict[str, set[str]] = {}
@@ -81,10 +84,11 @@ class Router:
         reps, rng = self.replicas, self.rng
         if self.policy == "affinity":
             self.planner.record(req.adapter)  # the Serve router sees every request too
-            views = self.recent.apply(self._views(), req.arrival / 1000)
+            views = self.inflight.apply(self.recent.apply(self._views(), req.arrival / 1000))
             home = self.planner.placement(self.replica_ids, lambda: holders(views)).get(
                 req.routing_key
             )
+            rank = tail_rank(len(reps), self.cfg.max_loras)
             ranked = rank_replicas(
                 req.routing_key,
                 views,
@@ -93,6 +97,8 @@ class Router:
                 rng=rng,
                 home=home,
                 max_batch=self.cfg.max_num_seqs,  # what the replicas report (LLMServer)
+                max_loras=self.cfg.max_loras,
+                tail=self.planner.popularity.in_tail(req.adapter, rank),
             )
             tiers = [[self.by_id[v.replica_id] for v in t] for t in ranked]
         elif self.policy == "affinity_hash":
@@ -119,10 +125,15 @@ class Router:
         target = _pick(tiers, reps, self.cfg.max_ongoing_requests)
         if self.policy == "affinity":
             self.recent.record(target.replica_id, req.adapter, req.arrival / 1000)
+            self.inflight.sent(str(req.seq), target.replica_id, req.adapter, req.arrival / 1000)
         if req.tenant:
             self.routed_tenants.setdefault(req.tenant, set()).add(target.replica_id)
         self.routed_tokens[target.replica_id] += req.prompt_tokens
         return target
+
+    def on_done(self, req: Request) -> None:
+        """Ray's on_request_completed: the request finished."""
+        self.inflight.done(str(req.seq))
 
     def _two(self, pool: list[Replica]) -> list[Replica]:
         return self.rng.sample(pool, 2) if len(pool) > 2 else list(pool)

@@ -23,6 +23,7 @@ kept by later plans).
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ DEFAULT_REPLICATION_HEADROOM = 2.0
 DEFAULT_MIN_REPLICAS = 2  # an adapter is placed when its k is at least this
 DEFAULT_MIN_PLACED_SHARE = 0.0005  # below 1 request in 2,000 an adapter is not worth a slot
 DEFAULT_BALANCE_SLACK = 1.25  # a new home's placed traffic, over the mean placed traffic
+TAIL_REFRESH = 256  # records between two recomputations of AdapterPopularity.in_tail
 DEFAULT_REBALANCE_OVER = 1.3  # a replica's estimated adapter traffic over 1/n: move one off
 # adapters moved per plan (each move is one read). Off by default: with headroom 2.0 the
 # simulator's sweep meets 36 of 49 runs with one move a plan against 35 without, and on the
@@ -68,6 +70,7 @@ class AdapterPopularity:
         self.counts: dict[str, float] = {}  # adapter -> decayed count
         self.total = 0.0  # decayed count of all requests, base included
         self.num_recorded = 0
+        self._tail: tuple[int, int, float] | None = None  # (at num_recorded, rank, count)
 
     def record(self, adapter_id: str) -> None:
         self.num_recorded += 1
@@ -80,6 +83,16 @@ class AdapterPopularity:
 
     def count(self, adapter_id: str) -> float:
         return self.counts.get(adapter_id, 0.0)
+
+    def in_tail(self, adapter_id: str, rank: int) -> bool:
+        """Outside the `rank` most requested adapters: its count is at most the count of
+        the (rank + 1)-th (False while fewer than rank + 1 adapters were counted). The
+        threshold is recomputed every TAIL_REFRESH records."""
+        cached = self._tail
+        if cached is None or cached[1] != rank or self.num_recorded - cached[0] >= TAIL_REFRESH:
+            top = heapq.nlargest(rank + 1, self.counts.values())
+            cached = self._tail = (self.num_recorded, rank, top[rank] if len(top) > rank else -1)
+        return self.count(adapter_id) <= cached[2]
 
     def shares(self) -> dict[str, float]:
         """adapter -> its share of all requests (base included)."""

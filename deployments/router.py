@@ -76,11 +76,13 @@ from deployments.routing_policy import (
     DEFAULT_COUNT_SLACK,
     DEFAULT_LOAD_BOUND_C,
     DEFAULT_MIN_LOAD_BOUND,
+    InFlight,
     RecentRoutes,
     ReplicaView,
     holders,
     prefix_routing_key,
     rank_replicas,
+    tail_rank,
 )
 
 logger = logging.getLogger("ray.serve")
@@ -174,6 +176,9 @@ class AdapterAffinityRouter(RequestRouter):
         # adapters this router sent each replica lately, counted as held there until the
         # replica's own reports show them (routing_policy.RecentRoutes)
         self._recent = RecentRoutes(recent_routes_s)
+        # the adapters of this router's requests not finished yet, per replica: a tail
+        # adapter avoids a replica whose slots they all take (rank_replicas' `tail`)
+        self._inflight = InFlight()
         if getattr(self, "_refresh_task", None) is not None:
             self._refresh_task.cancel()
         self._refresh_task: asyncio.Task | None = None
@@ -249,7 +254,7 @@ class AdapterAffinityRouter(RequestRouter):
         if not self._use_placement or not adapter_id or adapter_id.startswith("prefix:"):
             return None
         if self._planner is None:  # the slot count from the replicas, once one reports it
-            max_loras = _smallest_reported(candidates, "max_loras")
+            max_loras = self._slots(candidates)
             if max_loras is None:
                 return None
             self._planner = self._new_planner(max_loras)
@@ -261,6 +266,12 @@ class AdapterAffinityRouter(RequestRouter):
         if self._max_batch is not None:
             return self._max_batch
         return _smallest_reported(candidates, "max_num_seqs")
+
+    def _slots(self, candidates: list[RunningReplica]) -> int | None:
+        """max_loras: the kwarg, else the smallest the replicas report (None: none does)."""
+        if self._max_loras is not None:
+            return self._max_loras
+        return _smallest_reported(candidates, "max_loras")
 
     @property
     def popularity(self) -> AdapterPopularity:
@@ -308,7 +319,7 @@ class AdapterAffinityRouter(RequestRouter):
         residency = self._snapshot_residency()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         views = [self._view(r, residency) for r in candidate_replicas]
-        views = self._recent.apply(views, self._get_curr_time_s())
+        views = self._inflight.apply(self._recent.apply(views, self._get_curr_time_s()))
         sent_to = self._prefix_holders.get(adapter_id) if adapter_id.startswith("prefix:") else None
         if sent_to:  # keeps the other fields (what RecentRoutes added)
             views = [
@@ -317,6 +328,7 @@ class AdapterAffinityRouter(RequestRouter):
                 else v
                 for v in views
             ]
+        slots = self._slots(candidate_replicas)
         tiers = rank_replicas(
             adapter_id,
             views,
@@ -326,6 +338,9 @@ class AdapterAffinityRouter(RequestRouter):
             rng=self._rng,
             home=self._home(adapter_id, candidate_replicas, views),
             max_batch=self._batch_size(candidate_replicas),
+            max_loras=slots,
+            tail=slots is not None
+            and self._popularity.in_tail(adapter_id, tail_rank(len(candidate_replicas), slots)),
         )
         self._note_new_read(adapter_id, tiers)
         return [[by_id[v.replica_id] for v in tier] for tier in tiers]
@@ -351,7 +366,11 @@ class AdapterAffinityRouter(RequestRouter):
         if pending_request is not None:
             adapter_id = pending_request.metadata.multiplexed_model_id or ""
         self._popularity.record(adapter_id)
-        self._recent.record(replica_id.unique_id, adapter_id, self._get_curr_time_s())
+        now = self._get_curr_time_s()
+        self._recent.record(replica_id.unique_id, adapter_id, now)
+        if pending_request is not None:
+            request_id = pending_request.metadata.internal_request_id
+            self._inflight.sent(request_id, replica_id.unique_id, adapter_id, now)
         key = _prefix_key(pending_request) if pending_request is not None else ""
         if not key or adapter_id:
             return
@@ -360,6 +379,10 @@ class AdapterAffinityRouter(RequestRouter):
         self._prefix_holders[key] = [h for h in holders if h != rid][-3:] + [rid]
         while len(self._prefix_holders) > MAX_PREFIX_KEYS:
             self._prefix_holders.popitem(last=False)
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        """Ray calls this once per request it routed, when it finished or failed."""
+        self._inflight.done(internal_request_id)
 
 
 def _smallest_reported(replicas: list[RunningReplica], field: str) -> int | None:

@@ -17,6 +17,14 @@ from functools import lru_cache
 DEFAULT_LOAD_BOUND_C = 1.25  # one set for the whole sweep: docs/routing.md
 DEFAULT_MIN_LOAD_BOUND = 4  # requests a replica batches before it can count as "full"
 DEFAULT_COUNT_SLACK = 0.05  # new_home: a replica may hold this share more than the fewest
+# rank_replicas(tail=True): an adapter outside the TAIL_SLOTS x n x max_loras most requested
+TAIL_SLOTS = 2
+
+
+def tail_rank(num_replicas: int, max_loras: int) -> int:
+    """How many of the most requested adapters are not "tail" (rank_replicas' `tail`): twice
+    the fleet's slots. Past them an adapter's requests mostly find it in no slot anyway."""
+    return TAIL_SLOTS * num_replicas * max_loras
 
 
 @dataclass(frozen=True)
@@ -29,6 +37,9 @@ class ReplicaView:
     adapters_in_cpu: frozenset[str]
     # what a router sent it lately that it has not reported yet: being read (RecentRoutes)
     adapters_reading: frozenset[str] = frozenset()
+    # adapters of the requests this router has in flight there (InFlight): each holds a slot
+    # or waits for one
+    adapters_running: frozenset[str] = frozenset()
 
     def count(self) -> int:
         return len(self.adapters_in_cpu | self.adapters_reading)
@@ -39,6 +50,11 @@ class ReplicaView:
     def in_cpu(self, adapter_id: str) -> bool:
         """In its CPU cache, or on the way there."""
         return adapter_id in self.adapters_in_cpu or adapter_id in self.adapters_reading
+
+    def slots_taken(self, adapter_id: str, max_loras: int) -> bool:
+        """Every slot is taken by another adapter with a request in flight: a request for
+        `adapter_id` would wait there until one of them finishes."""
+        return adapter_id not in self.adapters_running and len(self.adapters_running) >= max_loras
 
 
 def _weight(adapter_id: str, replica_id: str) -> int:
@@ -147,6 +163,51 @@ class RecentRoutes:
         return out
 
 
+class InFlight:
+    """The adapters of the requests this router sent to each replica that have not
+    finished: `ReplicaView.adapters_running`. A replica runs at most max_loras adapters at
+    once, so when this router alone has that many others in flight there, a request for
+    one more waits for a slot. Routers learn residency late and not per request; this they
+    know exactly for their own traffic (Ray calls `on_request_completed` once per request).
+    Entries older than `max_age_s` are dropped (a completion that never came)."""
+
+    def __init__(self, max_age_s: float = 600.0) -> None:
+        self.max_age_s = max_age_s
+        self._requests: dict[str, tuple[str, str, float]] = {}  # id -> (replica, adapter, at)
+        self._running: dict[str, dict[str, int]] = {}  # replica -> adapter -> requests
+
+    def sent(self, request_id: str, replica_id: str, adapter_id: str, now: float) -> None:
+        if not adapter_id or adapter_id.startswith("prefix:") or request_id in self._requests:
+            return
+        self._requests[request_id] = (replica_id, adapter_id, now)
+        running = self._running.setdefault(replica_id, {})
+        running[adapter_id] = running.get(adapter_id, 0) + 1
+        if len(self._requests) % 1024 == 0:
+            self._expire(now)
+
+    def done(self, request_id: str) -> None:
+        entry = self._requests.pop(request_id, None)
+        if entry is None:
+            return
+        replica_id, adapter_id, _ = entry
+        running = self._running[replica_id]
+        running[adapter_id] -= 1
+        if not running[adapter_id]:
+            del running[adapter_id]
+
+    def _expire(self, now: float) -> None:
+        for rid in [r for r, (_, _, t) in self._requests.items() if now - t > self.max_age_s]:
+            self.done(rid)
+
+    def apply(self, views: Sequence[ReplicaView]) -> list[ReplicaView]:
+        return [
+            replace(v, adapters_running=frozenset(running))
+            if (running := self._running.get(v.replica_id))
+            else v
+            for v in views
+        ]
+
+
 def new_home(candidates: Sequence[ReplicaView], count_slack: float) -> ReplicaView | None:
     """Where an adapter no replica holds goes: among `candidates` (in the adapter's rendezvous
     order), those holding at most `count_slack` more adapters than the fewest, and of those
@@ -175,6 +236,8 @@ def rank_replicas(
     rng: random.Random,
     home: Sequence[str] | None = None,
     max_batch: int | None = None,
+    max_loras: int | None = None,
+    tail: bool = False,
 ) -> list[list[ReplicaView]]:
     """Rank `replicas` for a request for `adapter_id` ("" = base model).
 
@@ -197,6 +260,13 @@ def rank_replicas(
       tier 3: if it has no holder, or every holder's queue is full: `new_home` among the
               replicas under the bound;
       tier 4: every other replica, least loaded first.
+    A *tail* adapter (`tail`: outside the `tail_rank` most requested; needs `max_loras`)
+    needs a slot load on any replica, so it does not wait on a holder whose slots all go to
+    other adapters with requests in flight (`ReplicaView.slots_taken`, from this router's
+    `InFlight`): tiers 0, 1 and 3 leave such replicas out, and when it has holders, after
+    tier 1 come the holders with a slot free, then the replica under the bound with the
+    fewest adapters in flight (the least loaded of those). A popular adapter waits on its
+    holder instead: its next requests find it in the slot there.
 
     With `home` (a hot adapter's k replicas, holders first, deployments/placement.py):
       tier 0: homes under the bound with it in a slot (least loaded: its traffic is
@@ -235,10 +305,18 @@ def rank_replicas(
         tiers.add([r for r in by_load if r.replica_id in home_ids and r.holds(adapter_id)])
         tiers.add([r for r in by_load if r.replica_id in home_ids])
     else:
-        tiers.add([r for r in under if adapter_id in r.adapters_in_slots])
-        tiers.add([r for r in under if r.in_cpu(adapter_id)])
+        waits = tail and max_loras is not None
+        free = [r for r in under if not (waits and r.slots_taken(adapter_id, max_loras))]
+        tiers.add([r for r in free if adapter_id in r.adapters_in_slots])
+        tiers.add([r for r in free if r.in_cpu(adapter_id)])
+        if waits and free and any(r.holds(adapter_id) or r.in_cpu(adapter_id) for r in ranked):
+            # a tail adapter needs a slot load wherever it goes: rather than wait on a
+            # holder whose slots are all taken, it goes where the most slots are free
+            tiers.add([r for r in by_load if r.holds(adapter_id) and not r.slots_taken(
+                adapter_id, max_loras)])
+            tiers.add([min(free, key=lambda r: (len(r.adapters_running), r.load))])
         tiers.add([r for r in by_load if r.holds(adapter_id)])
-        first = new_home([r for r in under if r.replica_id not in tiers.picked], count_slack)
+        first = new_home([r for r in free if r.replica_id not in tiers.picked], count_slack)
         tiers.add([first] if first is not None else [])
     tiers.add(by_load)
     return tiers.tiers

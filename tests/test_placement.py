@@ -193,3 +193,22 @@ def test_a_moved_adapter_that_turns_hot_is_placed_with_its_holders_first():
     cfg = PlacementConfig(max_loras=4, headroom=1.5, max_moves=1)
     plc = plan_placement({"b": 0.4}, ids, cfg, {"b": ["r3", "r0"]}, prev={"b": ("r3",)})
     assert len(plc["b"]) == 3 and set(plc["b"][:2]) == {"r0", "r3"}
+
+
+def test_in_tail_is_outside_the_rank_most_requested_by_brute_force():
+    from deployments.placement import TAIL_REFRESH, AdapterPopularity
+
+    rng = random.Random(7)
+    pop = AdapterPopularity(half_life=500)
+    names = [f"a{i}" for i in range(60)]
+    weights = [1 / (i + 1) for i in range(60)]
+    for n in range(1, 3000):
+        pop.record(rng.choices(names, weights)[0] if rng.random() < 0.9 else "")
+        if n % TAIL_REFRESH:
+            continue  # the threshold is recomputed every TAIL_REFRESH records
+        for rank in (5, 20):
+            counts = sorted(pop.counts.values(), reverse=True)
+            for a in names:
+                expected = len(counts) > rank and pop.count(a) <= counts[rank]
+                assert pop.in_tail(a, rank) == expected, (n, rank, a)
+    assert not AdapterPopularity().in_tail("a", 3)  # nothing counted: no tail yet

@@ -343,3 +343,39 @@ def test_a_full_batch_is_over_the_bound_when_the_replicas_report_their_batch_siz
         assert (first_choice(router, reps, "new-ad") == "r0") is full_is_picked, kwargs
     with pytest.raises(ValueError, match="max_batch"):
         make_router(max_batch=0)
+
+
+def test_a_tail_adapter_avoids_a_holder_whose_slots_this_routers_requests_take():
+    """The router counts its own requests in flight per replica (on_request_routed until
+    on_request_completed): with max_loras other adapters in flight on the holder, a request
+    for an adapter outside the 2 x n x max_loras most requested goes where a slot is free."""
+    router = make_router(max_loras=1, use_placement=False)
+    reps = [FakeReplica("r0", cpu=["t", "b1"]), FakeReplica("r1")]
+    for _ in range(3):  # five adapters more requested than "t": rank 2 x 2 x 1 = 4
+        for a in ("b1", "b2", "b3", "b4", "b5"):
+            router.popularity.record(a)
+    router.popularity.record("t")
+    for _ in range(3):
+        router.popularity.record("b1")  # the most requested
+    assert router.popularity.in_tail("t", 4) and not router.popularity.in_tail("b1", 4)
+
+    def sent(adapter: str, rid: str, replica: FakeReplica) -> None:
+        async def go():  # a PendingRequest needs a running loop
+            meta = RequestMetadata(
+                request_id=rid, internal_request_id=rid, multiplexed_model_id=adapter
+            )
+            pending = PendingRequest(args=[], kwargs={}, metadata=meta)
+            router.on_request_routed(pending, replica.replica_id, None)
+
+        asyncio.run(go())
+
+    assert route(router, reps, "t")[0] == [reps[0]]  # its holder, nothing in flight
+    sent("x", "q1", reps[0])  # "x" takes r0's only slot
+    assert route(router, reps, "t")[0] == [reps[1]]
+    sent("y", "q2", reps[1])  # now both replicas' slots are taken: it waits on its holder
+    assert route(router, reps, "t")[0] == [reps[0]]
+    router.on_request_completed(reps[1].replica_id, "q2")
+    assert route(router, reps, "b1")[0] == [reps[0]]  # a popular adapter waits on its holder
+    router.on_request_completed(reps[0].replica_id, "q1")
+    # r0 again (with r1, where the router sent "t" lately: RecentRoutes counts it as reading)
+    assert reps[0] in route(router, reps, "t")[0]

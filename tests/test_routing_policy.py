@@ -7,11 +7,18 @@ import random
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deployments.routing_policy import ReplicaView, load_bound, rank_replicas, rendezvous_order
+from deployments.routing_policy import (
+    InFlight,
+    ReplicaView,
+    load_bound,
+    rank_replicas,
+    rendezvous_order,
+)
 
 IDS = [f"r{i}" for i in range(8)]
 
@@ -143,7 +150,9 @@ def test_prefix_keys_walk_their_order(loads, slot_mask, cpu_mask, key, c, min_bo
     )
 
 
-def ref_rank_adapter(adapter, replicas, c, min_bound, slack, home, max_batch=None):
+def ref_rank_adapter(
+    adapter, replicas, c, min_bound, slack, home, max_batch=None, max_loras=None, tail=False
+):
     """Brute force of the documented adapter tiers, as sets of ids (None: empty tier)."""
     bound = ref_bound(replicas, c, min_bound, max_batch)
     order = {rid: i for i, rid in enumerate(ref_order(adapter, [r.replica_id for r in replicas]))}
@@ -161,6 +170,28 @@ def ref_rank_adapter(adapter, replicas, c, min_bound, slack, home, max_batch=Non
             set(home) & holds,
             set(home),
         ]
+    elif tail and max_loras is not None:
+        # a tail adapter skips replicas whose slots other in-flight adapters all take
+        taken = {
+            r.replica_id
+            for r in replicas
+            if adapter not in r.adapters_running and len(r.adapters_running) >= max_loras
+        }
+        free = [r for r in under if r.replica_id not in taken]
+        free_ids = {r.replica_id for r in free}
+        tiers = [free_ids & slot, free_ids & cpu]
+        if free and holds:
+            most_free = min(free, key=lambda r: (len(r.adapters_running), r.load, order[r.replica_id]))
+            tiers += [holds - taken, {most_free.replica_id}]
+        tiers.append(holds)
+        seen = set().union(*tiers)
+        cands = [r for r in free if r.replica_id not in seen]
+        new = set()
+        if cands:
+            fewest = min(len(r.adapters_in_cpu) for r in cands)
+            even = [r for r in cands if len(r.adapters_in_cpu) <= fewest + int(slack * fewest)]
+            new = {min(even, key=lambda r: (r.load, order[r.replica_id])).replica_id}
+        tiers.append(new)
     else:
         tiers = [under_ids & slot, under_ids & cpu, holds]
         cands = [r for r in under if r.replica_id not in holds]
@@ -222,6 +253,96 @@ def test_rank_adapter_matches_reference(
     assert [{r.replica_id for r in t} for t in tiers] == expected
     for t in tiers:  # within a tier Ray takes the least loaded: any order is fine
         assert len({r.replica_id for r in t}) == len(t)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    loads=st.lists(st.integers(0, 12), min_size=1, max_size=8),
+    slot_mask=st.integers(0, 255),
+    cpu_mask=st.integers(0, 255),
+    running=st.lists(st.integers(0, 4), min_size=8, max_size=8),
+    self_running=st.integers(0, 255),
+    others=st.lists(st.integers(0, 12), min_size=8, max_size=8),
+    c=st.sampled_from([1.0, 1.25, 2.0]),
+    min_bound=st.sampled_from([1, 4]),
+    max_loras=st.sampled_from([1, 2, 3]),
+    tail=st.booleans(),
+)
+def test_rank_tail_adapter_matches_reference(
+    loads, slot_mask, cpu_mask, running, self_running, others, c, min_bound, max_loras, tail
+):
+    a = "ad"
+    replicas = [
+        ReplicaView(
+            f"r{i}",
+            load,
+            frozenset([a] if slot_mask >> i & 1 else []),
+            frozenset([a] if (cpu_mask | slot_mask) >> i & 1 else [])
+            | {f"other-{j}" for j in range(others[i])},
+            adapters_running=frozenset(
+                [f"other-{j}" for j in range(running[i])] + ([a] if self_running >> i & 1 else [])
+            ),
+        )
+        for i, load in enumerate(loads)
+    ]
+    tiers = rank_replicas(
+        a,
+        replicas,
+        load_bound_c=c,
+        min_load_bound=min_bound,
+        rng=random.Random(0),
+        max_loras=max_loras,
+        tail=tail,
+    )
+    expected = ref_rank_adapter(a, replicas, c, min_bound, 0.05, None, None, max_loras, tail)
+    assert [{r.replica_id for r in t} for t in tiers] == expected
+
+
+def test_a_tail_adapter_goes_where_slots_are_free_not_to_a_holder_whose_slots_are_taken():
+    # r0 holds "t" in its CPU cache, but 2 other adapters it sent there take both slots:
+    # "t" would wait there; r2 runs one adapter (a free slot), r1 two of its own.
+    reps = [
+        ReplicaView("r0", 3, frozenset({"x", "y"}), frozenset({"t", "x", "y"}),
+                    adapters_running=frozenset({"x", "y"})),
+        ReplicaView("r1", 2, frozenset({"u", "v"}), frozenset({"u", "v"}),
+                    adapters_running=frozenset({"u", "v"})),
+        ReplicaView("r2", 2, frozenset({"w"}), frozenset({"w"}), adapters_running=frozenset({"w"})),
+        ReplicaView("r3", 1, frozenset({"p", "q"}), frozenset({"p", "q"}),
+                    adapters_running=frozenset({"p", "q"})),
+    ]
+    kw = {"rng": random.Random(0), "max_loras": 2}
+    assert rank_replicas("t", reps, tail=True, **kw)[0] == [reps[2]]
+    # not tail (a popular adapter waits for its holder: reloading it elsewhere costs more)
+    assert rank_replicas("t", reps, tail=False, **kw)[0] == [reps[0]]
+    # the same holder with a free slot keeps it
+    free = [replace(reps[0], adapters_running=frozenset({"x"})), *reps[1:]]
+    assert rank_replicas("t", free, tail=True, **kw)[0] == [free[0]]
+
+
+def test_inflight_counts_a_routers_requests_until_they_finish():
+    inflight = InFlight(max_age_s=60)
+    inflight.sent("q1", "r0", "a", now=0)
+    inflight.sent("q2", "r0", "a", now=0)
+    inflight.sent("q3", "r0", "b", now=0)
+    inflight.sent("q3", "r0", "b", now=0)  # the same request twice: counted once
+    inflight.sent("q4", "r1", "", now=0)  # base requests hold no slot
+    inflight.sent("q5", "r1", "prefix:abc", now=0)
+    views = inflight.apply([view("r0"), view("r1")])
+    assert views[0].adapters_running == {"a", "b"} and views[1].adapters_running == set()
+    inflight.done("q1")
+    inflight.done("q3")
+    inflight.done("q3")  # twice, or never sent: ignored
+    inflight.done("nope")
+    assert inflight.apply([view("r0")])[0].adapters_running == {"a"}
+    inflight.done("q2")
+    assert inflight.apply([view("r0")])[0].adapters_running == set()
+    # a completion that never comes expires after max_age_s
+    for i in range(1024):
+        inflight.sent(f"old{i}", "r2", f"x{i % 3}", now=0)
+    for i in range(1024):
+        inflight.sent(f"new{i}", "r3", "y", now=100)
+    assert inflight.apply([view("r2"), view("r3")])[0].adapters_running == set()
+    assert inflight.apply([view("r3")])[0].adapters_running == {"y"}
 
 
 def test_an_adapter_stays_on_its_holder_and_new_ones_even_the_counts():
