@@ -17,6 +17,11 @@ that replica passes the load bound; the replicas this router sent the key to cou
 holders (`on_request_routed`). Adapter requests are routed on the adapter alone: an
 adapter's requests already share replicas, and its cached prefixes are its own.
 
+Requests in flight: the router counts, per replica, the adapters of the requests it sent
+that have not finished (`on_request_routed` until Ray's `on_request_completed`; routing_policy
+`InFlight`); a tail adapter skips a holder whose max_loras slots they all take
+(`rank_replicas`' `tail`, docs/routing.md).
+
 Routing never waits on the registry: a failed or slow refresh keeps the previous snapshot,
 and a snapshot older than `registry_max_age_s` is ignored (the other sources still count).
 The refresh task starts with the first routed request and stops by itself when Ray is shut
