@@ -18,9 +18,8 @@ import random
 from cluster.sim_config import Request, SimConfig
 from cluster.sim_replica import Replica
 from deployments.placement import PlacementConfig, PlacementPlanner
+from deployments.router_memory import InFlight, RecentRoutes
 from deployments.routing_policy import (
-    InFlight,
-    RecentRoutes,
     ReplicaView,
     holders,
     power_of_two,

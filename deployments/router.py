@@ -77,12 +77,11 @@ from deployments.placement import (
     PlacementConfig,
     PlacementPlanner,
 )
+from deployments.router_memory import InFlight, RecentRoutes
 from deployments.routing_policy import (
     DEFAULT_COUNT_SLACK,
     DEFAULT_LOAD_BOUND_C,
     DEFAULT_MIN_LOAD_BOUND,
-    InFlight,
-    RecentRoutes,
     ReplicaView,
     holders,
     prefix_routing_key,

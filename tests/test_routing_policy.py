@@ -13,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deployments.routing_policy import (
-    InFlight,
     ReplicaView,
     load_bound,
     rank_replicas,
@@ -317,32 +316,6 @@ def test_a_tail_adapter_goes_where_slots_are_free_not_to_a_holder_whose_slots_ar
     # the same holder with a free slot keeps it
     free = [replace(reps[0], adapters_running=frozenset({"x"})), *reps[1:]]
     assert rank_replicas("t", free, tail=True, **kw)[0] == [free[0]]
-
-
-def test_inflight_counts_a_routers_requests_until_they_finish():
-    inflight = InFlight(max_age_s=60)
-    inflight.sent("q1", "r0", "a", now=0)
-    inflight.sent("q2", "r0", "a", now=0)
-    inflight.sent("q3", "r0", "b", now=0)
-    inflight.sent("q3", "r0", "b", now=0)  # the same request twice: counted once
-    inflight.sent("q4", "r1", "", now=0)  # base requests hold no slot
-    inflight.sent("q5", "r1", "prefix:abc", now=0)
-    views = inflight.apply([view("r0"), view("r1")])
-    assert views[0].adapters_running == {"a", "b"} and views[1].adapters_running == set()
-    inflight.done("q1")
-    inflight.done("q3")
-    inflight.done("q3")  # twice, or never sent: ignored
-    inflight.done("nope")
-    assert inflight.apply([view("r0")])[0].adapters_running == {"a"}
-    inflight.done("q2")
-    assert inflight.apply([view("r0")])[0].adapters_running == set()
-    # a completion that never comes expires after max_age_s
-    for i in range(1024):
-        inflight.sent(f"old{i}", "r2", f"x{i % 3}", now=0)
-    for i in range(1024):
-        inflight.sent(f"new{i}", "r3", "y", now=100)
-    assert inflight.apply([view("r2"), view("r3")])[0].adapters_running == set()
-    assert inflight.apply([view("r3")])[0].adapters_running == {"y"}
 
 
 def test_an_adapter_stays_on_its_holder_and_new_ones_even_the_counts():

@@ -1,0 +1,89 @@
+"""What a router remembers of its own sends, beside what the replicas report: the adapters it
+sent lately that a replica has not reported yet (`RecentRoutes`: being read there), and the
+adapters of its requests that have not finished (`InFlight`: each holds a slot or waits for
+one). Both turn into `ReplicaView` fields for `routing_policy.rank_replicas`; the Serve router
+(deployments/router.py) and the simulator (cluster/sim_router.py) keep one of each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from deployments.routing_policy import ReplicaView
+
+
+class RecentRoutes:
+    """The adapters this router sent to each replica in the last `grace_s` seconds and the
+    replica has not reported: `ReplicaView.adapters_reading` (a replica reads an adapter as
+    soon as its request arrives). Residency reaches routers late (Ray's multiplexed ids: a
+    push every 0.1 s and a controller loop; routing stats: every period), so without this the
+    new adapters of one instant all see the same "fewest" replica (`new_home`), and a second
+    request for a new adapter, sent before the first one's replica reported it, is placed
+    afresh and read from disk a second time elsewhere. Base requests ("") are not counted."""
+
+    def __init__(self, grace_s: float = 2.0) -> None:
+        self.grace_s = grace_s
+        self.sent: dict[str, dict[str, float]] = {}  # replica -> adapter -> last sent at
+
+    def record(self, replica_id: str, adapter_id: str, now: float) -> None:
+        if adapter_id:
+            self.sent.setdefault(replica_id, {})[adapter_id] = now
+
+    def apply(self, views: Sequence[ReplicaView], now: float) -> list[ReplicaView]:
+        out = []
+        for v in views:
+            recent = self.sent.get(v.replica_id)
+            if recent:
+                for a in [a for a, t in recent.items() if now - t > self.grace_s]:
+                    del recent[a]
+            reading = recent.keys() - v.adapters_in_cpu - v.adapters_in_slots if recent else ()
+            if reading:
+                v = replace(v, adapters_reading=v.adapters_reading | reading)
+            out.append(v)
+        return out
+
+
+class InFlight:
+    """The adapters of the requests this router sent to each replica that have not
+    finished: `ReplicaView.adapters_running`. A replica runs at most max_loras adapters at
+    once, so when this router alone has that many others in flight there, a request for
+    one more waits for a slot. Routers learn residency late and not per request; this they
+    know exactly for their own traffic (Ray calls `on_request_completed` once per request).
+    Entries older than `max_age_s` are dropped (a completion that never came)."""
+
+    def __init__(self, max_age_s: float = 600.0) -> None:
+        self.max_age_s = max_age_s
+        self._requests: dict[str, tuple[str, str, float]] = {}  # id -> (replica, adapter, at)
+        self._running: dict[str, dict[str, int]] = {}  # replica -> adapter -> requests
+
+    def sent(self, request_id: str, replica_id: str, adapter_id: str, now: float) -> None:
+        if not adapter_id or adapter_id.startswith("prefix:") or request_id in self._requests:
+            return
+        self._requests[request_id] = (replica_id, adapter_id, now)
+        running = self._running.setdefault(replica_id, {})
+        running[adapter_id] = running.get(adapter_id, 0) + 1
+        if len(self._requests) % 1024 == 0:
+            self._expire(now)
+
+    def done(self, request_id: str) -> None:
+        entry = self._requests.pop(request_id, None)
+        if entry is None:
+            return
+        replica_id, adapter_id, _ = entry
+        running = self._running[replica_id]
+        running[adapter_id] -= 1
+        if not running[adapter_id]:
+            del running[adapter_id]
+
+    def _expire(self, now: float) -> None:
+        for rid in [r for r, (_, _, t) in self._requests.items() if now - t > self.max_age_s]:
+            self.done(rid)
+
+    def apply(self, views: Sequence[ReplicaView]) -> list[ReplicaView]:
+        return [
+            replace(v, adapters_running=frozenset(running))
+            if (running := self._running.get(v.replica_id))
+            else v
+            for v in views
+        ]
