@@ -18,7 +18,7 @@ holders (`on_request_routed`). Adapter requests are routed on the adapter alone:
 adapter's requests already share replicas, and its cached prefixes are its own.
 
 Requests in flight: the router counts, per replica, the adapters of the requests it sent
-that have not finished (`on_request_routed` until Ray's `on_request_completed`; routing_policy
+that have not finished (`on_request_routed` until Ray's `on_request_completed`; router_memory
 `InFlight`); a tail adapter skips a holder whose max_loras slots they all take
 (`rank_replicas`' `tail`, docs/routing.md).
 
@@ -178,7 +178,7 @@ class AdapterAffinityRouter(RequestRouter):
         # they hold that prefix's KV, as residency tells where an adapter is
         self._prefix_holders: OrderedDict[str, list[str]] = OrderedDict()
         # adapters this router sent each replica lately, counted as held there until the
-        # replica's own reports show them (routing_policy.RecentRoutes)
+        # replica's own reports show them (router_memory.RecentRoutes)
         self._recent = RecentRoutes(recent_routes_s)
         # the adapters of this router's requests not finished yet, per replica: a tail
         # adapter avoids a replica whose slots they all take (rank_replicas' `tail`)

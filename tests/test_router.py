@@ -115,7 +115,7 @@ def test_an_adapter_stays_on_its_holder_over_the_bound():
 
 def test_a_burst_of_new_adapters_is_dealt_one_per_replica():
     """Residency reaches the router late; the adapters it just sent count until it does
-    (routing_policy.RecentRoutes), so six new adapters at once land on six replicas."""
+    (router_memory.RecentRoutes), so six new adapters at once land on six replicas."""
     router = make_router(use_registry=False)
     reps = [FakeReplica(i) for i in IDS]
     picks = []

@@ -169,31 +169,24 @@ def ref_rank_adapter(
             set(home) & holds,
             set(home),
         ]
-    elif tail and max_loras is not None:
+    else:
         # a tail adapter skips replicas whose slots other in-flight adapters all take
-        taken = {
-            r.replica_id
-            for r in replicas
-            if adapter not in r.adapters_running and len(r.adapters_running) >= max_loras
-        }
+        taken = set()
+        if tail and max_loras is not None:
+            taken = {
+                r.replica_id
+                for r in replicas
+                if adapter not in r.adapters_running and len(r.adapters_running) >= max_loras
+            }
         free = [r for r in under if r.replica_id not in taken]
         free_ids = {r.replica_id for r in free}
         tiers = [free_ids & slot, free_ids & cpu]
-        if free and holds:
+        if tail and max_loras is not None and free and holds:
             most_free = min(free, key=lambda r: (len(r.adapters_running), r.load, order[r.replica_id]))
             tiers += [holds - taken, {most_free.replica_id}]
         tiers.append(holds)
         seen = set().union(*tiers)
         cands = [r for r in free if r.replica_id not in seen]
-        new = set()
-        if cands:
-            fewest = min(len(r.adapters_in_cpu) for r in cands)
-            even = [r for r in cands if len(r.adapters_in_cpu) <= fewest + int(slack * fewest)]
-            new = {min(even, key=lambda r: (r.load, order[r.replica_id])).replica_id}
-        tiers.append(new)
-    else:
-        tiers = [under_ids & slot, under_ids & cpu, holds]
-        cands = [r for r in under if r.replica_id not in holds]
         new = set()
         if cands:
             fewest = min(len(r.adapters_in_cpu) for r in cands)
