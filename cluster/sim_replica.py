@@ -32,6 +32,7 @@ from __future__ import annotations
 import bisect
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from dataclasses import replace
 
 from cluster.sim_config import Request, SimConfig
 from deployments.placement import AdapterPopularity
@@ -103,7 +104,10 @@ class Replica:
             held = frozenset(self.cpu).union(
                 f"prefix:{t}" for t in self.prefix_cache if t.startswith("base-")
             )
-            self._view = ReplicaView(self.replica_id, self.load, frozenset(self.slots), held)
+            self._view = ReplicaView(
+                self.replica_id, self.load, frozenset(self.slots), held,
+                reads_shared=self.cfg.async_disk_loads and self.cfg.shared_tier_ms is not None,
+            )
         return self._view
 
     def reported_view(self) -> ReplicaView:
@@ -113,9 +117,7 @@ class Replica:
             return self.view()
         p = self.published
         if p.load != self.load:
-            p = self.published = ReplicaView(
-                p.replica_id, self.load, p.adapters_in_slots, p.adapters_in_cpu
-            )
+            p = self.published = replace(p, load=self.load)
         return p
 
     def _tick(self, now: float) -> None:

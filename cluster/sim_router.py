@@ -87,7 +87,7 @@ class Router:
             home = self.planner.placement(self.replica_ids, lambda: holders(views)).get(
                 req.routing_key
             )
-            rank = tail_rank(len(reps), self.cfg.max_loras)
+            pop, rank = self.planner.popularity, tail_rank(len(reps), self.cfg.max_loras)
             ranked = rank_replicas(
                 req.routing_key,
                 views,
@@ -97,7 +97,7 @@ class Router:
                 home=home,
                 max_batch=self.cfg.max_num_seqs,  # what the replicas report (LLMServer)
                 max_loras=self.cfg.max_loras,
-                tail=self.planner.popularity.in_tail(req.adapter, rank),
+                in_tail=lambda a: pop.in_tail(a, rank),
             )
             tiers = [[self.by_id[v.replica_id] for v in t] for t in ranked]
         elif self.policy == "affinity_hash":

@@ -329,6 +329,8 @@ class LLMServer:
             "engine_dead": bool(self.engine.errored),  # the router routes around it
             "max_loras": self._max_loras,  # the placement's slot count (deployments/placement.py)
             "max_num_seqs": self._max_num_seqs,  # a full batch is over the load bound
+            # a read here is a fetch from the shared tier, not a cold read (rank_replicas)
+            "reads_shared": self.engine.engine.reads_shared(self.engine.adapter_tier),
         }
 
     def record_autoscaling_stats(self) -> dict[str, float]:

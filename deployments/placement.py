@@ -40,7 +40,7 @@ DEFAULT_MIN_PLACED_COUNT = 16.0  # requests an adapter needs counted before it i
 # the served max/mean bound of 1.3 (up to 1.46); 2.0 leaves none, for ~1-3% more slot loads
 # (sweep 31 -> 35 of 49 runs met; docs/routing.md). One value for the whole sweep.
 DEFAULT_REPLICATION_HEADROOM = 2.0
-DEFAULT_MIN_REPLICAS = 2  # an adapter is placed when its k is at least this
+DEFAULT_MIN_REPLICAS = 1  # an adapter is placed when its k is at least this
 DEFAULT_MIN_PLACED_SHARE = 0.0005  # below 1 request in 2,000 an adapter is not worth a slot
 DEFAULT_BALANCE_SLACK = 1.25  # a new home's placed traffic, over the mean placed traffic
 TAIL_REFRESH = 256  # records between two recomputations of AdapterPopularity.in_tail

@@ -61,6 +61,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import ray
@@ -297,7 +298,10 @@ class AdapterAffinityRouter(RequestRouter):
         load = self._replica_queue_len_cache.get(rid)
         if load is None:
             load = stats.get("num_running", 0) + stats.get("num_waiting", 0)
-        return ReplicaView(rid.unique_id, float(load), frozenset(slots), frozenset(cpu))
+        shared = bool(stats.get("reads_shared", False))  # unknown: a move may cost a cold read
+        return ReplicaView(
+            rid.unique_id, float(load), frozenset(slots), frozenset(cpu), reads_shared=shared
+        )
 
     async def choose_replicas(
         self,
@@ -343,8 +347,9 @@ class AdapterAffinityRouter(RequestRouter):
             home=self._home(adapter_id, candidate_replicas, views),
             max_batch=self._batch_size(candidate_replicas),
             max_loras=slots,
-            tail=slots is not None
-            and self._popularity.in_tail(adapter_id, tail_rank(len(candidate_replicas), slots)),
+            in_tail=None
+            if slots is None
+            else partial(self._popularity.in_tail, rank=tail_rank(len(candidate_replicas), slots)),
         )
         self._note_new_read(adapter_id, tiers)
         return [[by_id[v.replica_id] for v in tier] for tier in tiers]

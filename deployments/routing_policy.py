@@ -10,20 +10,24 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
 DEFAULT_LOAD_BOUND_C = 1.25  # one set for the whole sweep: docs/routing.md
 DEFAULT_MIN_LOAD_BOUND = 4  # requests a replica batches before it can count as "full"
 DEFAULT_COUNT_SLACK = 0.05  # new_home: a replica may hold this share more than the fewest
-# rank_replicas(tail=True): an adapter outside the TAIL_SLOTS x n x max_loras most requested
-TAIL_SLOTS = 2
+# rank_replicas' `in_tail`: an adapter outside the TAIL_SLOTS x n x max_loras most requested
+TAIL_SLOTS = 1
+
+InTail = Callable[[str], bool]  # adapter -> outside the tail_rank most requested
 
 
 def tail_rank(num_replicas: int, max_loras: int) -> int:
-    """How many of the most requested adapters are not "tail" (rank_replicas' `tail`): twice
-    the fleet's slots. Past them an adapter's requests mostly find it in no slot anyway."""
+    """How many of the most requested adapters are not "tail" (rank_replicas' `in_tail`): as
+    many as the fleet has slots. Only they can all sit in a slot at once; a request for any
+    other needs a slot load wherever it goes, and a slot holding one of them is worth
+    keeping (sweep, docs/routing.md: 1x met 42 of 50 runs, 2x 37, 0.75x and 1.5x fewer)."""
     return TAIL_SLOTS * num_replicas * max_loras
 
 
@@ -40,6 +44,9 @@ class ReplicaView:
     # adapters of the requests this router has in flight there (InFlight): each holds a slot
     # or waits for one
     adapters_running: frozenset[str] = frozenset()
+    # a read of an adapter it lacks is a fetch from the fleet's shared tier (a copy), not a
+    # cold read (its routing_stats "reads_shared")
+    reads_shared: bool = False
 
     def count(self) -> int:
         return len(self.adapters_in_cpu | self.adapters_reading)
@@ -51,10 +58,22 @@ class ReplicaView:
         """In its CPU cache, or on the way there."""
         return adapter_id in self.adapters_in_cpu or adapter_id in self.adapters_reading
 
-    def slots_taken(self, adapter_id: str, max_loras: int) -> bool:
-        """Every slot is taken by another adapter with a request in flight: a request for
-        `adapter_id` would wait there until one of them finishes."""
-        return adapter_id not in self.adapters_running and len(self.adapters_running) >= max_loras
+    def slots_kept(self, adapter_id: str, in_tail: InTail | None = None) -> int:
+        """Slots a load of `adapter_id` here may not take: those of the other adapters with
+        requests in flight, and (`in_tail` given) those holding a popular adapter (not in
+        the tail), which the load would evict for one that needs a load anywhere."""
+        kept = set(self.adapters_running)
+        if in_tail is not None:
+            kept.update(a for a in self.adapters_in_slots if not in_tail(a))
+        kept.discard(adapter_id)
+        return len(kept)
+
+    def slots_taken(self, adapter_id: str, max_loras: int, in_tail: InTail | None = None) -> bool:
+        """Every slot is kept (`slots_kept`): a request for `adapter_id` would wait there
+        until one of them finishes, or evict a popular adapter its next requests need."""
+        if adapter_id in self.adapters_running:
+            return False  # it holds a slot there already
+        return self.slots_kept(adapter_id, in_tail) >= max_loras
 
 
 def _weight(adapter_id: str, replica_id: str) -> int:
@@ -161,7 +180,7 @@ def rank_replicas(
     home: Sequence[str] | None = None,
     max_batch: int | None = None,
     max_loras: int | None = None,
-    tail: bool = False,
+    in_tail: InTail | None = None,
 ) -> list[list[ReplicaView]]:
     """Rank `replicas` for a request for `adapter_id` ("" = base model).
 
@@ -184,13 +203,15 @@ def rank_replicas(
       tier 3: if it has no holder, or every holder's queue is full: `new_home` among the
               replicas under the bound;
       tier 4: every other replica, least loaded first.
-    A *tail* adapter (`tail`: outside the `tail_rank` most requested; needs `max_loras`)
-    needs a slot load on any replica, so it does not wait on a holder whose slots all go to
-    other adapters with requests in flight (`ReplicaView.slots_taken`, from this router's
-    `InFlight`): tiers 0, 1 and 3 leave such replicas out, and when it has holders, after
+    A *tail* adapter (`in_tail(adapter_id)`: outside the `tail_rank` most requested; needs
+    `max_loras`) needs a slot load on any replica, so it does not go to a holder whose slots
+    are all kept (`ReplicaView.slots_taken`): by other adapters with requests in flight
+    (this router's `InFlight`), where it would wait for one of them to finish, or by popular
+    adapters (not `in_tail`), one of which its load would evict for the next request to
+    load again. Tiers 0, 1 and 3 leave such replicas out, and when it has holders, after
     tier 1 come the holders with a slot free, then the replica under the bound with the
-    fewest adapters in flight (the least loaded of those). A popular adapter waits on its
-    holder instead: its next requests find it in the slot there.
+    fewest kept slots (the least loaded of those). A popular adapter waits on its holder
+    instead: its next requests find it in the slot there.
 
     With `home` (a hot adapter's k replicas, holders first, deployments/placement.py):
       tier 0: homes under the bound with it in a slot (least loaded: its traffic is
@@ -229,16 +250,24 @@ def rank_replicas(
         tiers.add([r for r in by_load if r.replica_id in home_ids and r.holds(adapter_id)])
         tiers.add([r for r in by_load if r.replica_id in home_ids])
     else:
-        waits = tail and max_loras is not None
-        free = [r for r in under if not (waits and r.slots_taken(adapter_id, max_loras))]
+        tail = in_tail if max_loras is not None and in_tail and in_tail(adapter_id) else None
+
+        def kept(r: ReplicaView) -> bool:
+            return tail is not None and r.slots_taken(adapter_id, max_loras, tail)
+
+        free = [r for r in under if not kept(r)]
         tiers.add([r for r in free if adapter_id in r.adapters_in_slots])
         tiers.add([r for r in free if r.in_cpu(adapter_id)])
-        if waits and free and any(r.holds(adapter_id) or r.in_cpu(adapter_id) for r in ranked):
+        if tail and free and any(r.holds(adapter_id) or r.in_cpu(adapter_id) for r in ranked):
             # a tail adapter needs a slot load wherever it goes: rather than wait on a
-            # holder whose slots are all taken, it goes where the most slots are free
-            tiers.add([r for r in by_load if r.holds(adapter_id) and not r.slots_taken(
-                adapter_id, max_loras)])
-            tiers.add([min(free, key=lambda r: (len(r.adapters_running), r.load))])
+            # holder whose slots are all kept, it goes where the most slots are free: to a
+            # replica that would read it from disk only if it would wait at every holder
+            tiers.add([r for r in by_load if r.holds(adapter_id) and not kept(r)])
+            held = [r for r in under if r.holds(adapter_id) or r.in_cpu(adapter_id)]
+            waits = all(r.slots_taken(adapter_id, max_loras) for r in held)
+            to = [r for r in free if waits or r.reads_shared]
+            if to:
+                tiers.add([min(to, key=lambda r: (r.slots_kept(adapter_id, tail), r.load))])
         tiers.add([r for r in by_load if r.holds(adapter_id)])
         first = new_home([r for r in free if r.replica_id not in tiers.picked], count_slack)
         tiers.add([first] if first is not None else [])

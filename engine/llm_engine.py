@@ -162,6 +162,13 @@ class LLMEngine:
         """Cached, or a local read quick enough to make under the lock (LoRAManager.quick_read)."""
         return self._lora_manager().quick_read(lora_request, tier)
 
+    def reads_shared(self, tier: AdapterTier | None) -> bool:
+        """Would this replica fetch a local-folder adapter it lacks from `tier` (a copy) rather
+        than read it from disk (LoRAManager.tier_first)? The router weighs it before sending
+        here an adapter this replica does not hold. False without LoRA."""
+        manager = self.model_runner.lora_manager
+        return tier is not None and manager is not None and manager.tier_first(True)
+
     def insert_lora(self, lora_request: LoRARequest, adapter: LoRAAdapter) -> dict:
         """Put an adapter read by read_lora into the CPU cache; quick."""
         return _lora_info(self._lora_manager().insert_lora(lora_request, adapter))

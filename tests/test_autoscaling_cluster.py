@@ -127,6 +127,7 @@ def test_record_routing_stats_reports_what_the_router_bounds_on(llm):
     assert stats["max_loras"] == ENGINE["max_loras"]
     assert stats["max_num_seqs"] == ENGINE["max_num_seqs"]
     assert stats["engine_dead"] is False and stats["num_running"] >= 0
+    assert isinstance(stats["reads_shared"], bool)  # the values: tests/test_shared_adapters.py
 
 
 def test_scales_up_under_adapter_load_and_back_down(llm):

@@ -38,17 +38,40 @@ def test_replication_factor_by_hand():
 
 def test_placement_by_hand():
     """4 replicas x 4 slots, headroom 1.5: 'a' (40% of traffic) gets ceil(0.4 x 4 x 1.5) = 3
-    homes; 'b' (10%: k = 1) is not placed, nor anything after it. Without holders the homes
-    are the first three of a's own order; a replica holding 'a' comes first."""
+    homes, the first three of a's own order without holders (a replica holding 'a' comes
+    first). 'b' (10%) and 'c' (5%) get one home each (k = 1): held nowhere, each goes to the
+    first replica in its order whose estimated traffic stays under 1.25 x the mean placed
+    traffic (1.25 x 0.55 / 4 = 0.172): only the one without 'a' (0.133 + 0.1 is over it).
+    'd' (under min_share) is not placed. With min_replicas 2 (the default before the fleet's
+    slots were shared out) only 'a' is."""
     from deployments.placement import PlacementConfig, plan_placement
 
     ids = ["r0", "r1", "r2", "r3"]
     shares = {"a": 0.4, "b": 0.1, "c": 0.05, "d": 0.0001}
     cfg = PlacementConfig(max_loras=4, headroom=1.5)  # the numbers below
-    assert plan_placement(shares, ids, cfg) == {"a": tuple(rendezvous_order("a", ids)[:3])}
+    a_homes = tuple(rendezvous_order("a", ids)[:3])
     last = rendezvous_order("a", ids)[3]
+    assert plan_placement(shares, ids, cfg) == {"a": a_homes, "b": (last,), "c": (last,)}
+    hot_only = PlacementConfig(max_loras=4, headroom=1.5, min_replicas=2)
+    assert plan_placement(shares, ids, hot_only) == {"a": a_homes}
     homes = plan_placement(shares, ids, cfg, holders={"a": [last]})["a"]
     assert homes == (last, *rendezvous_order("a", ids)[:2])
+    # a holder with a placed slot left keeps its adapter: b stays on r0
+    assert plan_placement(shares, ids, cfg, holders={"b": ["r0"]})["b"] == ("r0",)
+
+
+def test_no_replica_gets_more_popular_adapters_than_its_placed_slots():
+    """20 adapters of equal share, all first sent to r0 (k = 1 each: 0.045 x 4 x 2 < 1): r0
+    keeps max_loras - reserve = 3 of them, the 9 the other replicas' placed slots take move
+    off it (3 each), the last 8 are past the fleet's 12 placed slots and stay unplaced."""
+    from deployments.placement import PlacementConfig, plan_placement
+
+    ids = ["r0", "r1", "r2", "r3"]
+    shares = {f"x{i:02d}": 0.045 for i in range(20)}
+    plc = plan_placement(shares, ids, PlacementConfig(max_loras=4), {a: ["r0"] for a in shares})
+    assert len(plc) == 12 and all(len(h) == 1 for h in plc.values())
+    assert Counter(h[0] for h in plc.values()) == {r: 3 for r in ids}
+    assert sorted(plc) == sorted(shares)[:12]  # equal shares: by name
 
 
 def test_an_adapter_with_few_requests_counted_is_not_placed():
@@ -80,8 +103,11 @@ def test_an_adapter_with_few_requests_counted_is_not_placed():
     n=st.integers(1, 12),
     max_loras=st.integers(1, 8),
     held=st.lists(st.integers(0, 11), max_size=30),
+    min_replicas=st.sampled_from([1, 2]),
 )
-def test_placement_respects_slots_holders_and_popularity(weights, n, max_loras, held):
+def test_placement_respects_slots_holders_and_popularity(
+    weights, n, max_loras, held, min_replicas
+):
     from deployments.placement import PlacementConfig, plan_placement, replication_factor
 
     total = sum(weights) / 0.9  # 10% base
@@ -90,7 +116,9 @@ def test_placement_respects_slots_holders_and_popularity(weights, n, max_loras, 
     holders: dict[str, list[str]] = {}
     for j, r in enumerate(held):  # adapter j % len holds on replica r % n
         holders.setdefault(f"ad-{j % len(weights)}", []).append(f"r{r % n}")
-    cfg = PlacementConfig(max_loras=max_loras, max_moves=1)
+    # moves (single homes of adapters that are not placed) are told from placed adapters
+    # by their number of homes only while placed ones have at least two
+    cfg = PlacementConfig(max_loras=max_loras, max_moves=min_replicas - 1, min_replicas=min_replicas)
     everything = plan_placement(shares, ids, cfg, holders)
     plc = {a: h for a, h in everything.items() if len(h) >= cfg.min_replicas}  # the hot ones
     singles = {a: h[0] for a, h in everything.items() if len(h) < cfg.min_replicas}
@@ -154,8 +182,9 @@ def check_moves(shares, ids, cfg, holders, hot, singles) -> None:
 
 
 def test_rebalance_moves_the_adapter_that_best_evens_the_busiest_replica():
-    """Moves are off by default (max_moves 0). With max_moves 1: 4 replicas, nothing hot
-    (k = ceil(share x 4 x 1.5) = 1 for shares <= 1/6). r0 holds b, c, d (0.16 + 0.12 +
+    """Moves are off by default (max_moves 0), and they move adapters that are not placed:
+    here min_replicas 2 places only adapters with k >= 2. With max_moves 1: 4 replicas,
+    nothing hot (k = ceil(share x 4 x 1.5) = 1 for shares <= 1/6). r0 holds b, c, d (0.16 + 0.12 +
     0.08 = 0.36 of all traffic, over 1.3 / 4 = 0.325); r3, the least busy (0.02), takes the
     one that best evens the two: b (max(0.20, 0.18) = 0.20, against 0.24 for c and 0.28
     for d). The router then sends b to r3 although r0 has it in a slot.
@@ -165,9 +194,9 @@ def test_rebalance_moves_the_adapter_that_best_evens_the_busiest_replica():
     ids = ["r0", "r1", "r2", "r3"]
     shares = {"b": 0.16, "c": 0.12, "d": 0.08, "e": 0.05, "f": 0.05, "g": 0.02}
     holders = {"b": ["r0"], "c": ["r0"], "d": ["r0"], "e": ["r1"], "f": ["r2"], "g": ["r3"]}
-    no_moves = PlacementConfig(max_loras=4, headroom=1.5)  # max_moves: the default, 0
+    no_moves = PlacementConfig(max_loras=4, headroom=1.5, min_replicas=2)  # max_moves: the default, 0
     assert plan_placement(shares, ids, no_moves, holders) == {}
-    cfg = PlacementConfig(max_loras=4, headroom=1.5, max_moves=1)
+    cfg = PlacementConfig(max_loras=4, headroom=1.5, min_replicas=2, max_moves=1)
     plc = plan_placement(shares, ids, cfg, holders)
     assert plc == {"b": ("r3",)}
     views = [ReplicaView(r, 0, frozenset(), frozenset()) for r in ids]
@@ -181,7 +210,7 @@ def test_rebalance_moves_the_adapter_that_best_evens_the_busiest_replica():
     calm = {**shares, "b": 0.10}
     assert plan_placement(calm, ids, cfg, {**holders, "b": ["r0"]}) == {}
     counts = {a: 15.0 for a in shares}
-    few = PlacementConfig(4, headroom=1.5, min_count=16, max_moves=1)
+    few = PlacementConfig(4, headroom=1.5, min_replicas=2, min_count=16, max_moves=1)
     assert plan_placement(shares, ids, few, holders, counts) == {}
 
 
@@ -190,7 +219,7 @@ def test_a_moved_adapter_that_turns_hot_is_placed_with_its_holders_first():
     from deployments.placement import PlacementConfig, plan_placement
 
     ids = ["r0", "r1", "r2", "r3"]
-    cfg = PlacementConfig(max_loras=4, headroom=1.5, max_moves=1)
+    cfg = PlacementConfig(max_loras=4, headroom=1.5, min_replicas=2, max_moves=1)
     plc = plan_placement({"b": 0.4}, ids, cfg, {"b": ["r3", "r0"]}, prev={"b": ("r3",)})
     assert len(plc["b"]) == 3 and set(plc["b"][:2]) == {"r0", "r3"}
 

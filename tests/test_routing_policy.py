@@ -150,7 +150,7 @@ def test_prefix_keys_walk_their_order(loads, slot_mask, cpu_mask, key, c, min_bo
 
 
 def ref_rank_adapter(
-    adapter, replicas, c, min_bound, slack, home, max_batch=None, max_loras=None, tail=False
+    adapter, replicas, c, min_bound, slack, home, max_batch=None, max_loras=None, in_tail=None
 ):
     """Brute force of the documented adapter tiers, as sets of ids (None: empty tier)."""
     bound = ref_bound(replicas, c, min_bound, max_batch)
@@ -170,20 +170,36 @@ def ref_rank_adapter(
             set(home),
         ]
     else:
-        # a tail adapter skips replicas whose slots other in-flight adapters all take
+        # a tail adapter skips replicas whose slots are all kept: by other adapters in
+        # flight there, or by popular adapters (not in the tail) in a slot
+        tail = in_tail is not None and max_loras is not None and in_tail(adapter)
+
+        def kept(r):
+            popular = {x for x in r.adapters_in_slots if not in_tail(x)}
+            return len((set(r.adapters_running) | popular) - {adapter})
+
         taken = set()
-        if tail and max_loras is not None:
+        if tail:
             taken = {
                 r.replica_id
                 for r in replicas
-                if adapter not in r.adapters_running and len(r.adapters_running) >= max_loras
+                if adapter not in r.adapters_running and kept(r) >= max_loras
             }
         free = [r for r in under if r.replica_id not in taken]
         free_ids = {r.replica_id for r in free}
         tiers = [free_ids & slot, free_ids & cpu]
-        if tail and max_loras is not None and free and holds:
-            most_free = min(free, key=lambda r: (len(r.adapters_running), r.load, order[r.replica_id]))
-            tiers += [holds - taken, {most_free.replica_id}]
+        if tail and free and holds:
+            # a replica that would read it from disk only if every holder's slots run others
+            busy = {
+                r.replica_id
+                for r in replicas
+                if adapter not in r.adapters_running and len(r.adapters_running) >= max_loras
+            }
+            waits = not (under_ids & holds) - busy
+            to = [r for r in free if waits or r.reads_shared]
+            tiers.append(holds - taken)
+            if to:
+                tiers.append({min(to, key=lambda r: (kept(r), r.load, order[r.replica_id])).replica_id})
         tiers.append(holds)
         seen = set().union(*tiers)
         cands = [r for r in free if r.replica_id not in seen]
@@ -253,30 +269,42 @@ def test_rank_adapter_matches_reference(
     slot_mask=st.integers(0, 255),
     cpu_mask=st.integers(0, 255),
     running=st.lists(st.integers(0, 4), min_size=8, max_size=8),
+    in_slots=st.lists(st.integers(0, 4), min_size=8, max_size=8),
     self_running=st.integers(0, 255),
+    shared_mask=st.integers(0, 255),
     others=st.lists(st.integers(0, 12), min_size=8, max_size=8),
     c=st.sampled_from([1.0, 1.25, 2.0]),
     min_bound=st.sampled_from([1, 4]),
     max_loras=st.sampled_from([1, 2, 3]),
-    tail=st.booleans(),
+    tail=st.sampled_from([None, False, True]),
 )
 def test_rank_tail_adapter_matches_reference(
-    loads, slot_mask, cpu_mask, running, self_running, others, c, min_bound, max_loras, tail
+    loads, slot_mask, cpu_mask, running, in_slots, self_running, shared_mask, others, c,
+    min_bound, max_loras, tail,
 ):
+    # "other-j": running on replica i for j < running[i], in its slots for j < in_slots[i]
+    # (running ones too); the even-numbered are popular, the odd ones in the tail
     a = "ad"
     replicas = [
         ReplicaView(
             f"r{i}",
             load,
-            frozenset([a] if slot_mask >> i & 1 else []),
+            frozenset([a] if slot_mask >> i & 1 else [])
+            | {f"other-{j}" for j in range(max(running[i], in_slots[i]))},
             frozenset([a] if (cpu_mask | slot_mask) >> i & 1 else [])
             | {f"other-{j}" for j in range(others[i])},
             adapters_running=frozenset(
                 [f"other-{j}" for j in range(running[i])] + ([a] if self_running >> i & 1 else [])
             ),
+            reads_shared=bool(shared_mask >> i & 1),
         )
         for i, load in enumerate(loads)
     ]
+
+    def in_tail(x: str) -> bool:
+        return bool(tail) if x == a else int(x.split("-")[1]) % 2 == 1
+
+    fn = None if tail is None else in_tail
     tiers = rank_replicas(
         a,
         replicas,
@@ -284,13 +312,13 @@ def test_rank_tail_adapter_matches_reference(
         min_load_bound=min_bound,
         rng=random.Random(0),
         max_loras=max_loras,
-        tail=tail,
+        in_tail=fn,
     )
-    expected = ref_rank_adapter(a, replicas, c, min_bound, 0.05, None, None, max_loras, tail)
+    expected = ref_rank_adapter(a, replicas, c, min_bound, 0.05, None, None, max_loras, fn)
     assert [{r.replica_id for r in t} for t in tiers] == expected
 
 
-def test_a_tail_adapter_goes_where_slots_are_free_not_to_a_holder_whose_slots_are_taken():
+def test_a_tail_adapter_goes_where_slots_are_free_not_to_a_holder_whose_slots_are_kept():
     # r0 holds "t" in its CPU cache, but 2 other adapters it sent there take both slots:
     # "t" would wait there; r2 runs one adapter (a free slot), r1 two of its own.
     reps = [
@@ -303,12 +331,24 @@ def test_a_tail_adapter_goes_where_slots_are_free_not_to_a_holder_whose_slots_ar
                     adapters_running=frozenset({"p", "q"})),
     ]
     kw = {"rng": random.Random(0), "max_loras": 2}
-    assert rank_replicas("t", reps, tail=True, **kw)[0] == [reps[2]]
+
+    def in_tail(adapter: str) -> bool:
+        return adapter in {"t", "z"}  # the rest are popular
+
+    assert rank_replicas("t", reps, in_tail=in_tail, **kw)[0] == [reps[2]]
     # not tail (a popular adapter waits for its holder: reloading it elsewhere costs more)
-    assert rank_replicas("t", reps, tail=False, **kw)[0] == [reps[0]]
-    # the same holder with a free slot keeps it
-    free = [replace(reps[0], adapters_running=frozenset({"x"})), *reps[1:]]
-    assert rank_replicas("t", free, tail=True, **kw)[0] == [free[0]]
+    assert rank_replicas("t", reps, in_tail=lambda _: False, **kw)[0] == [reps[0]]
+    # the holder with its second slot idle, holding the tail adapter "z", keeps it
+    free = [replace(reps[0], adapters_running=frozenset({"x"}),
+                    adapters_in_slots=frozenset({"x", "z"})), *reps[1:]]
+    assert rank_replicas("t", free, in_tail=in_tail, **kw)[0] == [free[0]]
+    # ... but not when the idle slot holds a popular adapter (the load would evict it): then
+    # it goes where a slot is free if a read there is a fetch from the shared tier, not a
+    # cold read (above, where it would wait at its holder, it went there either way)
+    popular = [replace(reps[0], adapters_running=frozenset({"x"})), *reps[1:]]
+    assert rank_replicas("t", popular, in_tail=in_tail, **kw)[0] == [popular[0]]
+    shared = [replace(r, reads_shared=True) for r in popular]
+    assert rank_replicas("t", shared, in_tail=in_tail, **kw)[0] == [shared[2]]
 
 
 def test_an_adapter_stays_on_its_holder_and_new_ones_even_the_counts():

@@ -149,12 +149,15 @@ def test_a_local_folder_is_read_where_the_tier_measured_slower(tiny_model_dir, t
     LLMEngine(cfg).read_lora(y, tier)  # another replica shares y and z
     LLMEngine(cfg).read_lora(z, tier)
     engine = LLMEngine(cfg)
+    # what the replica reports to the router (routing_stats "reads_shared"): a read here is
+    # a fetch until asking measured slower; never without a tier
+    assert engine.reads_shared(tier) and not engine.reads_shared(None)
     engine.read_lora(x, tier)  # nothing measured: the tier first (a miss), then the read
     lora = engine.stats()["lora"]
     assert tier.fetches == 3 and tier.publishes == 3  # the miss's read ends its claim
     assert lora["tier_fetch_ms"] >= 300 > lora["local_read_ms"]
     engine.read_lora(y, tier)  # asking is slower than reading: read here, no share
-    assert tier.fetches == 3 and tier.publishes == 3
+    assert tier.fetches == 3 and tier.publishes == 3 and not engine.reads_shared(tier)
     assert engine.stats()["lora"]["shared_reads"] == 0
     hub = LoRARequest("hub-ad", 9, "some-org/some-adapter")  # not a local folder
     tier.store[("hub-ad", "some-org/some-adapter")] = engine.read_lora(y, None)
@@ -166,7 +169,7 @@ def test_a_local_folder_is_read_where_the_tier_measured_slower(tiny_model_dir, t
     engine = LLMEngine(cfg)
     engine.read_lora(x, fast)  # a miss: read and shared
     engine.read_lora(y, fast)  # a hit
-    assert fast.fetches == 3 and fast.publishes == 2
+    assert fast.fetches == 3 and fast.publishes == 2 and engine.reads_shared(fast)
     assert engine.stats()["lora"]["shared_reads"] == 1
 
 
