@@ -184,7 +184,9 @@ def plan_placement(
         here = set(held.get(adapter, ()))
         order = rendezvous_order(adapter, replica_ids)
         room = [r for r in order if num_placed[r] < per_replica]
-        picks = [r for r in room if r in here][:k]  # never move what is already there
+        # never move what is already there while its holder keeps a slot free beside its
+        # placed adapters (a new home needs room within per_replica)
+        picks = [r for r in order if r in here and num_placed[r] < cfg.max_loras - 1][:k]
         new = [r for r in room if r not in here]
         picks += [r for r in new if load[r] + each <= cap + 1e-12][: k - len(picks)]
         if len(picks) < k:  # the cap binds: the least loaded with a slot left
