@@ -4,18 +4,21 @@ and the simulator (cluster/sim_router.py).
 An adapter stays on the replicas that hold it (routing_policy.rank_replicas): that keeps
 slot and cold loads down, but one replica cannot carry an adapter with more traffic than
 a replica's share, and an adapter that takes a large part of one replica unbalances the
-fleet. `plan_placement` gives each such *hot* adapter k replicas, its *home*, from
-fleet-wide request counts (`AdapterPopularity`): k = ceil(share x n x headroom), placed
-only when k >= 2 (llm-d bounds each LoRA to k pods for the same reason). Its current
-holders come first (a placement never moves an adapter that is already there), then
-replicas whose estimated traffic stays under `balance_slack` x the mean, in the adapter's
-rendezvous order, within `max_loras - reserve_slots` placed adapters per replica (the
-other slots are for the adapters that are not placed). The router grows an adapter onto
-its next home only when every home holding it is over the load bound, so k is a bound on
-its replicas, not a target.
+fleet. `plan_placement` gives the most requested adapters, down to the fleet's placed
+slots, k replicas each, its *home*, from fleet-wide request counts (`AdapterPopularity`):
+k = ceil(share x n x headroom) (llm-d bounds each LoRA to k pods for the same reason); an
+adapter with k = 1 gets one (`min_replicas` 1), so no replica is dealt more of the popular
+adapters than it has slots. Its current holders come first while they have a slot free
+beside their placed adapters (a placement does not move an adapter its holder can keep),
+then replicas whose estimated traffic stays under `balance_slack` x the mean, in the
+adapter's rendezvous order, within `max_loras - reserve_slots` placed adapters per replica
+(the other slots are for the adapters that are not placed). The router grows an adapter
+onto its next home only when every home holding it is over the load bound, so k is a
+bound on its replicas, not a target. A single home is kept by later plans while its
+adapter is counted and not placed.
 
-The adapters that are not hot stay where they were first sent, and which of them turn out
-popular is luck; with `max_moves` > 0 (off by default, see DEFAULT_MAX_MOVES) `rebalance`
+The adapters that are not placed stay where they were first sent, and which of them turn
+out popular is luck; with `max_moves` > 0 (off by default, see DEFAULT_MAX_MOVES) `rebalance`
 moves up to that many a plan off a replica whose estimated traffic is over
 `rebalance_over` times its fair share, to the least busy replica (a home of one replica,
 kept by later plans).
@@ -40,7 +43,10 @@ DEFAULT_MIN_PLACED_COUNT = 16.0  # requests an adapter needs counted before it i
 # the served max/mean bound of 1.3 (up to 1.46); 2.0 leaves none, for ~1-3% more slot loads
 # (sweep 31 -> 35 of 49 runs met; docs/routing.md). One value for the whole sweep.
 DEFAULT_REPLICATION_HEADROOM = 2.0
-DEFAULT_MIN_REPLICAS = 1  # an adapter is placed when its k is at least this
+# an adapter is placed when its k is at least this: 1 shares the popular adapters out over
+# the replicas' slots (sweep 40 -> 43 of 50 met with the tail rule; docs/routing.md); 2
+# places only those one replica cannot carry
+DEFAULT_MIN_REPLICAS = 1
 DEFAULT_MIN_PLACED_SHARE = 0.0005  # below 1 request in 2,000 an adapter is not worth a slot
 DEFAULT_BALANCE_SLACK = 1.25  # a new home's placed traffic, over the mean placed traffic
 TAIL_REFRESH = 256  # records between two recomputations of AdapterPopularity.in_tail

@@ -19,8 +19,9 @@ adapter's requests already share replicas, and its cached prefixes are its own.
 
 Requests in flight: the router counts, per replica, the adapters of the requests it sent
 that have not finished (`on_request_routed` until Ray's `on_request_completed`; router_memory
-`InFlight`); a tail adapter skips a holder whose max_loras slots they all take
-(`rank_replicas`' `tail`, docs/routing.md).
+`InFlight`); a tail adapter skips a holder whose max_loras slots they or popular adapters
+all keep, where the replica it would go to instead reports `reads_shared` or the holder's
+slots all run (`rank_replicas`' `in_tail`, docs/routing.md).
 
 Routing never waits on the registry: a failed or slow refresh keeps the previous snapshot,
 and a snapshot older than `registry_max_age_s` is ignored (the other sources still count).
@@ -30,8 +31,8 @@ routed for `registry_max_age_s`; the next request starts it again.
 
 Placement (deployments/placement.py): the router counts the requests it routes
 (`on_request_routed`, once per request; base requests count in the total), and at
-`first_replan`, twice that, ... requests, then every `replan_every`, gives each hot adapter
-(k >= 2, at least `min_placed_count` requests counted) k homes, k from its share of that
+`first_replan`, twice that, ... requests, then every `replan_every`, gives each popular
+adapter (within the placed slots, at least `min_placed_count` requests counted) k homes, k >= 1 from its share of that
 traffic, its current holders first, within the slots the replicas have (`max_loras`: the
 kwarg, else what the replicas report as `routing_stats["max_loras"]`; with neither, no
 placement: every adapter stays on its holders). A placed adapter grows onto its next home
@@ -182,7 +183,7 @@ class AdapterAffinityRouter(RequestRouter):
         # replica's own reports show them (router_memory.RecentRoutes)
         self._recent = RecentRoutes(recent_routes_s)
         # the adapters of this router's requests not finished yet, per replica: a tail
-        # adapter avoids a replica whose slots they all take (rank_replicas' `tail`)
+        # adapter avoids a replica whose slots they all take (rank_replicas' `in_tail`)
         self._inflight = InFlight()
         if getattr(self, "_refresh_task", None) is not None:
             self._refresh_task.cancel()

@@ -348,10 +348,10 @@ def test_a_full_batch_is_over_the_bound_when_the_replicas_report_their_batch_siz
 def test_a_tail_adapter_avoids_a_holder_whose_slots_this_routers_requests_take():
     """The router counts its own requests in flight per replica (on_request_routed until
     on_request_completed): with max_loras other adapters in flight on the holder, a request
-    for an adapter outside the 2 x n x max_loras most requested goes where a slot is free."""
+    for an adapter outside the n x max_loras most requested goes where a slot is free."""
     router = make_router(max_loras=1, use_placement=False)
     reps = [FakeReplica("r0", cpu=["t", "b1"]), FakeReplica("r1")]
-    for _ in range(3):  # five adapters more requested than "t": rank 2 x 2 x 1 = 4
+    for _ in range(3):  # five adapters more requested than "t" (the router's rank: 2 x 1)
         for a in ("b1", "b2", "b3", "b4", "b5"):
             router.popularity.record(a)
     router.popularity.record("t")
@@ -379,3 +379,21 @@ def test_a_tail_adapter_avoids_a_holder_whose_slots_this_routers_requests_take()
     router.on_request_completed(reps[0].replica_id, "q1")
     # r0 again (with r1, where the router sent "t" lately: RecentRoutes counts it as reading)
     assert reps[0] in route(router, reps, "t")[0]
+
+
+def test_a_tail_adapter_leaves_a_popular_adapters_slot_only_where_the_read_is_shared():
+    """r0 holds the tail adapter "t", and its only slot holds the popular "b1" (idle): a load
+    of "t" there would evict it. "t" goes to r1, whose slot is free, if r1 reports
+    reads_shared (a read there is a fetch from the shared tier); else it stays on r0, since
+    the move would be a disk read (and r0 runs nothing: it does not wait there)."""
+    router = make_router(max_loras=1, use_placement=False)
+    reps = [FakeReplica("r0", slots=["b1"], cpu=["t", "b1"]), FakeReplica("r1")]
+    for a in ("b1", "b1", "b1", "b2", "b2", "b3", "b3", "t"):
+        router.popularity.record(a)
+    assert router.popularity.in_tail("t", 2) and not router.popularity.in_tail("b1", 2)
+    assert route(router, reps, "t")[0] == [reps[0]]
+    reps[1].routing_stats["reads_shared"] = True
+    assert route(router, reps, "t")[0] == [reps[1]]
+    reps[0].routing_stats["adapters_in_slots"] = ["b3"]  # a tail adapter's slot: not kept
+    # r0 again (with r1, where the router sent "t" just now: RecentRoutes counts it reading)
+    assert set(route(router, reps, "t")[0]) == {reps[0], reps[1]}
