@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from functools import partial
 
 from cluster.sim_config import Request, SimConfig
 from cluster.sim_replica import Replica
@@ -87,7 +88,7 @@ class Router:
             home = self.planner.placement(self.replica_ids, lambda: holders(views)).get(
                 req.routing_key
             )
-            pop, rank = self.planner.popularity, tail_rank(len(reps), self.cfg.max_loras)
+            rank = tail_rank(len(reps), self.cfg.max_loras)
             ranked = rank_replicas(
                 req.routing_key,
                 views,
@@ -97,7 +98,7 @@ class Router:
                 home=home,
                 max_batch=self.cfg.max_num_seqs,  # what the replicas report (LLMServer)
                 max_loras=self.cfg.max_loras,
-                in_tail=lambda a: pop.in_tail(a, rank),
+                in_tail=partial(self.planner.popularity.in_tail, rank=rank),
             )
             tiers = [[self.by_id[v.replica_id] for v in t] for t in ranked]
         elif self.policy == "affinity_hash":

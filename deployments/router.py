@@ -32,8 +32,8 @@ routed for `registry_max_age_s`; the next request starts it again.
 Placement (deployments/placement.py): the router counts the requests it routes
 (`on_request_routed`, once per request; base requests count in the total), and at
 `first_replan`, twice that, ... requests, then every `replan_every`, gives each popular
-adapter (within the placed slots, at least `min_placed_count` requests counted) k homes, k >= 1 from its share of that
-traffic, its current holders first, within the slots the replicas have (`max_loras`: the
+adapter (within the placed slots, at least `min_placed_count` requests counted) k >= 1
+homes, k from its share of that traffic, its current holders first, within the slots the replicas have (`max_loras`: the
 kwarg, else what the replicas report as `routing_stats["max_loras"]`; with neither, no
 placement: every adapter stays on its holders). A placed adapter grows onto its next home
 only when every home holding it is over the load bound. Each plan also moves at most

@@ -210,8 +210,10 @@ def rank_replicas(
     adapters (not `in_tail`), one of which its load would evict for the next request to
     load again. Tiers 0, 1 and 3 leave such replicas out, and when it has holders, after
     tier 1 come the holders with a slot free, then the replica under the bound with the
-    fewest kept slots (the least loaded of those). A popular adapter waits on its holder
-    instead: its next requests find it in the slot there.
+    fewest kept slots (the least loaded of those) among those whose read of it is a fetch
+    from the shared tier (`ReplicaView.reads_shared`), or among all of them when every holder
+    under the bound runs max_loras other adapters (it would wait there). A popular adapter
+    waits on its holder instead: its next requests find it in the slot there.
 
     With `home` (a hot adapter's k replicas, holders first, deployments/placement.py):
       tier 0: homes under the bound with it in a slot (least loaded: its traffic is
@@ -258,13 +260,15 @@ def rank_replicas(
         free = [r for r in under if not kept(r)]
         tiers.add([r for r in free if adapter_id in r.adapters_in_slots])
         tiers.add([r for r in free if r.in_cpu(adapter_id)])
-        if tail and free and any(r.holds(adapter_id) or r.in_cpu(adapter_id) for r in ranked):
+        holding = [r for r in ranked if r.holds(adapter_id) or r.in_cpu(adapter_id)]
+        if tail and free and holding:
             # a tail adapter needs a slot load wherever it goes: rather than wait on a
             # holder whose slots are all kept, it goes where the most slots are free: to a
             # replica that would read it from disk only if it would wait at every holder
             tiers.add([r for r in by_load if r.holds(adapter_id) and not kept(r)])
-            held = [r for r in under if r.holds(adapter_id) or r.in_cpu(adapter_id)]
-            waits = all(r.slots_taken(adapter_id, max_loras) for r in held)
+            waits = all(
+                r.slots_taken(adapter_id, max_loras) for r in holding if r.load + 1 <= bound
+            )
             to = [r for r in free if waits or r.reads_shared]
             if to:
                 tiers.add([min(to, key=lambda r: (r.slots_kept(adapter_id, tail), r.load))])
