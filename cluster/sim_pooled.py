@@ -1,0 +1,131 @@
+"""One pooled adapter cache of the fleet's n x max_loras slots, run over a sweep run's trace:
+how many slot loads the eviction rule alone costs when nothing else does.
+
+The pool is a relaxation of every fleet: all replicas' slots together hold at most n x S
+adapters, and a request whose adapter is in none of them costs a load wherever it goes. It
+leaves out what only adds loads (the copies a balanced fleet keeps of its hot adapters, the
+split of the slots into replicas, slots kept by running requests) and it takes requests in
+arrival order (a system that held requests back to serve several of one adapter after one
+load could do better). The rules:
+
+- `belady`: evict the adapter asked for again last (clairvoyant; the fewest loads any rule
+  makes on this order: Belady 1966);
+- `oracle`: evict the adapter with the smallest share of the workload's law. Requests are
+  independent draws (the simulator's workload), and for those this rule has the fewest
+  expected loads of any rule that does not see the future (Aho, Denning and Ullman 1971), so
+  no online rule can expect fewer, even one that learns the shares;
+- `lfu`: the fewest requests seen so far, the least recently used among equals (raylora's
+  engine, by its own counts); `lfu-mru`: the same, the most recently used among equals;
+  `lru`: vLLM's engine.
+
+The gap between `oracle` and the learning rules is what not knowing the shares costs. Where
+every learning rule on the pool makes more loads than a target allows, meeting the target
+needs a rule that learns the shares better than these do, on a fleet with less room than
+the pool: evidence, not a proof (the sweep does not mark it `*`).
+
+    python -m cluster.sim_pooled --point 18          # both seeds, 20,000 requests each
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+
+from cluster.sim import _workload, simulate
+from cluster.sim_config import SimConfig
+from cluster.sim_floors import zipf_shares
+from cluster.sim_sweep import PEER, TARGETS, sweep_configs
+
+RULES = ("belady", "oracle", "lfu", "lfu-mru", "lru")
+
+
+def belady_loads(seq: Sequence[str], slots: int) -> int:
+    """Loads of a `slots`-entry cache over `seq` evicting the entry asked for again last."""
+    never = len(seq)
+    nxt = [never] * len(seq)
+    seen: dict[str, int] = {}
+    for i in range(len(seq) - 1, -1, -1):
+        nxt[i] = seen.get(seq[i], never)
+        seen[seq[i]] = i
+    cache: dict[str, int] = {}  # adapter -> its next request
+    heap: list[tuple[int, str]] = []  # (-next request, adapter); stale entries skipped
+    loads = 0
+    for i, a in enumerate(seq):
+        if a not in cache:
+            loads += 1
+            if len(cache) >= slots:
+                while True:
+                    neg, b = heapq.heappop(heap)
+                    if cache.get(b) == -neg:
+                        del cache[b]
+                        break
+        cache[a] = nxt[i]
+        heapq.heappush(heap, (-nxt[i], a))
+    return loads
+
+
+def keyed_loads(seq: Sequence[str], slots: int, key: Callable[[str, Counter, int], object]) -> int:
+    """Loads of a `slots`-entry cache over `seq` evicting the entry with the smallest
+    key(adapter, requests seen so far, its last use); among equal keys, the least recently
+    used (the cache is kept in recency order)."""
+    cache: OrderedDict[str, int] = OrderedDict()  # adapter -> last use, least recent first
+    counts: Counter = Counter()
+    loads = 0
+    for t, a in enumerate(seq):
+        counts[a] += 1
+        if a in cache:
+            cache.move_to_end(a)
+        else:
+            loads += 1
+            if len(cache) >= slots:
+                del cache[min(cache, key=lambda b: key(b, counts, cache[b]))]
+        cache[a] = t
+    return loads
+
+
+def pooled_loads(cfg: SimConfig, rule: str) -> int:
+    """Slot loads of one pool of n x max_loras slots over the adapter requests of `cfg`'s
+    trace (the simulator's own workload), evicting by `rule` (RULES)."""
+    seq = [r.adapter for r in _workload(cfg) if r.adapter]
+    slots = cfg.num_replicas * cfg.max_loras
+    if rule == "belady":
+        return belady_loads(seq, slots)
+    if rule == "oracle":  # adapter names carry their popularity rank (cluster/sim.py)
+        shares = zipf_shares(cfg)
+        return keyed_loads(seq, slots, lambda a, _c, _t: shares[int(a.rsplit("-", 1)[1])])
+    if rule == "lfu":
+        return keyed_loads(seq, slots, lambda a, c, _t: c[a])
+    if rule == "lfu-mru":
+        return keyed_loads(seq, slots, lambda a, c, t: (c[a], -t))
+    if rule == "lru":
+        return keyed_loads(seq, slots, lambda _a, _c, t: t)
+    raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--point", type=int, required=True, help="a point of the sweep's design")
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--requests", type=int, default=20_000)
+    args = ap.parse_args(argv)
+    seeds = tuple(int(s) for s in args.seeds.split(","))
+    base = SimConfig(num_requests=args.requests)
+    for point, seed, cfg in sweep_configs(base, 24, 15, seeds):
+        if point != args.point:
+            continue
+        per_1k = 1000 / cfg.num_requests
+        peer = simulate(PEER, cfg).slot_loads_per_1k
+        ours = simulate("affinity", cfg).slot_loads_per_1k
+        pooled = "  ".join(f"{r} {pooled_loads(cfg, r) * per_1k:.1f}" for r in RULES)
+        print(
+            f"point {point} seed {seed} ({cfg.num_replicas} x {cfg.max_loras} slots, "
+            f"{cfg.num_adapters} adapters, zipf {cfg.zipf_s:.2f}): slot loads per 1k, "
+            f"affinity {ours:.1f}, {PEER} {peer:.1f}, target {TARGETS['slot'] * peer:.1f}; "
+            f"one pool of {cfg.num_replicas * cfg.max_loras} slots: {pooled}"
+        )
+
+
+if __name__ == "__main__":
+    main()
