@@ -35,11 +35,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from cluster.sim_config import Request, SimConfig
-from deployments.placement import AdapterPopularity
+from deployments.placement import EVICTION_HALF_LIFE, AdapterPopularity
 from deployments.routing_policy import ReplicaView
-
-LOCAL_HALF_LIFE = 1000  # requests at one replica: its counts for frequency eviction halve
-
 
 Popularity = Callable[[str], float]  # adapter -> fleet-wide request count (for eviction)
 
@@ -64,7 +61,7 @@ class Replica:
         self.check = check
         self.popularity = popularity or (lambda _a: 0.0)
         # this replica's own decayed request counts (what its engine sees): frequency eviction
-        self.local = AdapterPopularity(LOCAL_HALF_LIFE)
+        self.local = AdapterPopularity(EVICTION_HALF_LIFE)
         self.num_running = 0
         self.running_by_adapter: dict[str, int] = {}  # adapter -> running requests
         self.slots: OrderedDict[str, float] = OrderedDict()  # adapter -> ready time; LRU order

@@ -40,7 +40,7 @@ from ray import serve
 from deployments.gc_heap import full_collections
 from deployments.grpc_bind import bind_replica_grpc_to_node_ip
 from deployments.multiplexed_ids import MultiplexedIdReporter, push_for_this_replica
-from deployments.placement import AdapterPopularity
+from deployments.placement import EVICTION_HALF_LIFE, AdapterPopularity
 from deployments.protocol import APIError, GenerateRequest, ReplicaOutput
 from deployments.replica_io import (
     RequestMetrics,
@@ -64,8 +64,6 @@ def _replica_id() -> str:
     except Exception:  # outside Serve (tests, a plain actor)
         return f"local-{uuid.uuid4().hex[:8]}"
 
-
-EVICTION_HALF_LIFE = 1000  # requests at this replica: its adapter counts halve over this many
 
 
 class LLMServer:
@@ -330,7 +328,7 @@ class LLMServer:
             "max_loras": self._max_loras,  # the placement's slot count (deployments/placement.py)
             "max_num_seqs": self._max_num_seqs,  # a full batch is over the load bound
             # a read here is a fetch from the shared tier, not a cold read (rank_replicas)
-            "reads_shared": self.engine.engine.reads_shared(self.engine.adapter_tier),
+            "reads_shared": self.engine.reads_shared(),
         }
 
     def record_autoscaling_stats(self) -> dict[str, float]:

@@ -34,6 +34,9 @@ from dataclasses import dataclass
 from deployments.routing_policy import rendezvous_order
 
 DEFAULT_HALF_LIFE = 20_000  # requests: counts halve over this many routed requests
+# a replica's own counts for frequency eviction of its slots and CPU cache (LLMServer, the
+# simulator's replica): they halve over this many requests at that replica
+EVICTION_HALF_LIFE = 1_000
 DEFAULT_REPLAN_EVERY = 1_000  # requests between two placements, once counts are settled
 DEFAULT_FIRST_REPLAN = 32  # the first placements: at 32, 64, 128, ... requests
 DEFAULT_MIN_PLACED_COUNT = 16.0  # requests an adapter needs counted before it is placed

@@ -193,6 +193,11 @@ class AsyncLLMEngine:
         such a read held the lock longer than a GIL switch interval."""
         return not self._in_lock_reads_slow and self.engine.quick_read(lora, self.adapter_tier)
 
+    def reads_shared(self) -> bool:
+        """Would this replica fetch an adapter it lacks from its shared tier rather than read
+        it from disk (LLMEngine.reads_shared)? What the replica reports to the router."""
+        return self.engine.reads_shared(self.adapter_tier)
+
     def _read_shared(
         self, lora: LoRARequest
     ) -> tuple[Read | None, tuple[ReadKey, concurrent.futures.Future] | None]:
