@@ -80,3 +80,24 @@ def test_pooled_rules_on_a_trace():
     assert len({pooled_loads(roomy, rule) for rule in RULES}) == 1
     with pytest.raises(ValueError, match="rule must be one of"):
         pooled_loads(cfg, "fifo")
+
+
+@pytest.mark.timeout(60)
+def test_the_sweep_marks_a_slot_miss_over_the_target_on_the_pool():
+    from dataclasses import replace
+
+    from cluster.sim import simulate
+    from cluster.sim_sweep import PEER, Run, _mark
+
+    cfg = SimConfig(num_replicas=2, max_loras=2, num_adapters=30, num_requests=300)
+    result = simulate(PEER, cfg)
+    peer = replace(result, slot_loads_per_1k=100.0)
+    ours = replace(result, slot_loads_per_1k=95.0)  # 0.95x the peer's: a miss
+
+    def run(pool: float, floor: float = 1.0) -> Run:
+        return Run(0, 0, cfg, {"affinity": ours, PEER: peer}, floor, 0.0, pool)
+
+    assert run(91.0).misses()[:1] == ["slot"]
+    assert _mark(run(91.0), "slot") == "slot+"  # the learning rules make 0.91x on the pool
+    assert _mark(run(89.0), "slot") == "slot"  # they make 0.89x: nothing explains the miss
+    assert _mark(run(91.0, floor=95.0), "slot") == "slot*"  # the floor itself is over 0.9x
