@@ -34,7 +34,7 @@ import heapq
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 
-from cluster.sim import _workload, simulate
+from cluster.sim import _adapter_name, _workload, simulate
 from cluster.sim_config import SimConfig
 from cluster.sim_floors import zipf_shares
 
@@ -86,16 +86,18 @@ def keyed_loads(seq: Sequence[str], slots: int, key: Callable[[str, Counter, int
     return loads
 
 
-def pooled_loads(cfg: SimConfig, rule: str) -> int:
+def pooled_loads(cfg: SimConfig, rule: str, seq: Sequence[str] | None = None) -> int:
     """Slot loads of one pool of n x max_loras slots over the adapter requests of `cfg`'s
-    trace (the simulator's own workload), evicting by `rule` (RULES)."""
-    seq = [r.adapter for r in _workload(cfg) if r.adapter]
+    trace (the simulator's own workload; `seq`: that trace's adapters, made once by the
+    caller that asks for several rules), evicting by `rule` (RULES)."""
+    if seq is None:
+        seq = adapter_trace(cfg)
     slots = cfg.num_replicas * cfg.max_loras
     if rule == "belady":
         return belady_loads(seq, slots)
-    if rule == "oracle":  # adapter names carry their popularity rank (cluster/sim.py)
-        shares = zipf_shares(cfg)
-        return keyed_loads(seq, slots, lambda a, _c, _t: shares[int(a.rsplit("-", 1)[1])])
+    if rule == "oracle":
+        share = {_adapter_name(k): p for k, p in enumerate(zipf_shares(cfg))}
+        return keyed_loads(seq, slots, lambda a, _c, _t: share[a])
     if rule == "lfu":
         return keyed_loads(seq, slots, lambda a, c, _t: c[a])
     if rule == "lfu-mru":
@@ -105,10 +107,16 @@ def pooled_loads(cfg: SimConfig, rule: str) -> int:
     raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
 
 
+def adapter_trace(cfg: SimConfig) -> list[str]:
+    """The adapters of `cfg`'s trace, in arrival order (base requests need no slot)."""
+    return [r.adapter for r in _workload(cfg) if r.adapter]
+
+
 def learned_pool_per_1k(cfg: SimConfig) -> float:
     """The fewest slot loads per 1k requests of the LEARNING_RULES on the pool (the sweep's
     `pool` column)."""
-    return 1000 * min(pooled_loads(cfg, rule) for rule in LEARNING_RULES) / cfg.num_requests
+    seq = adapter_trace(cfg)
+    return 1000 * min(pooled_loads(cfg, rule, seq) for rule in LEARNING_RULES) / cfg.num_requests
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -117,17 +125,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--requests", type=int, default=20_000)
     args = ap.parse_args(argv)
-    from cluster.sim_sweep import PEER, TARGETS, sweep_configs  # it imports this module
+    # sim_sweep imports this module
+    from cluster.sim_sweep import DESIGN_POINTS, DESIGN_SEED, PEER, TARGETS, sweep_configs
 
     seeds = tuple(int(s) for s in args.seeds.split(","))
     base = SimConfig(num_requests=args.requests)
-    for point, seed, cfg in sweep_configs(base, 24, 15, seeds):
+    for point, seed, cfg in sweep_configs(base, DESIGN_POINTS, DESIGN_SEED, seeds):
         if point != args.point:
             continue
         per_1k = 1000 / cfg.num_requests
         peer = simulate(PEER, cfg).slot_loads_per_1k
         ours = simulate("affinity", cfg).slot_loads_per_1k
-        pooled = "  ".join(f"{r} {pooled_loads(cfg, r) * per_1k:.1f}" for r in RULES)
+        seq = adapter_trace(cfg)
+        pooled = "  ".join(f"{r} {pooled_loads(cfg, r, seq) * per_1k:.1f}" for r in RULES)
         print(
             f"point {point} seed {seed} ({cfg.num_replicas} x {cfg.max_loras} slots, "
             f"{cfg.num_adapters} adapters, zipf {cfg.zipf_s:.2f}): slot loads per 1k, "

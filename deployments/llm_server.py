@@ -65,7 +65,6 @@ def _replica_id() -> str:
         return f"local-{uuid.uuid4().hex[:8]}"
 
 
-
 class LLMServer:
     """An engine replica. See the module docstring for adapters, residency and errors."""
 
