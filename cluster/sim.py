@@ -65,6 +65,10 @@ class SimResult:
     stall_share: float  # of each replica's time, steps held up by adapter loads (mean)
     wall_s: float
     per_replica_served: list[int] = field(default_factory=list)
+    # of the slot evictions, those where the adapter the eviction rule ranks last was running
+    forced_eviction_share: float = 0.0
+    # each replica's adapter requests in the order its engine admitted them (record_admissions)
+    admitted: list[list[str]] = field(default_factory=list)
 
 
 def _zipf_weights(cfg: SimConfig) -> list[float]:
@@ -105,9 +109,12 @@ def _percentile(sorted_xs: list[float], q: float) -> float:
 ARRIVAL, DONE, WAKE, PUSH, BROADCAST = range(5)  # event kinds, in tie-break order
 
 
-def simulate(policy: str, cfg: SimConfig, *, check: bool = False) -> SimResult:
+def simulate(
+    policy: str, cfg: SimConfig, *, check: bool = False, record_admissions: bool = False
+) -> SimResult:
     """Run one policy ("router" or "router@engine", cluster/sim_replica.py's engine_config)
-    over the workload of `cfg` (same seed -> same requests)."""
+    over the workload of `cfg` (same seed -> same requests). record_admissions: fill
+    SimResult.admitted (cluster/sim_pooled.py's per-replica replay)."""
     t0 = time.perf_counter()
     router_name, _, cfg = engine_config(policy, cfg)
     top = frozenset(_adapter_name(k) for k in range(cfg.num_replicas * cfg.max_loras))
@@ -119,6 +126,9 @@ def simulate(policy: str, cfg: SimConfig, *, check: bool = False) -> SimResult:
         Replica(f"replica-{i:03d}", cfg, check, top, fleet.count, shared)
         for i in range(cfg.num_replicas)
     ]
+    if record_admissions:
+        for r in replicas:
+            r.admitted = []
     router = Router(router_name, replicas, cfg)
     events: list[tuple[float, int, int, Request | None, Replica | None]] = []
     tie = itertools.count()
@@ -200,6 +210,9 @@ def simulate(policy: str, cfg: SimConfig, *, check: bool = False) -> SimResult:
         stall_share=sum(r.stall_total for r in replicas) / max(1e-9, now) / len(replicas),
         wall_s=time.perf_counter() - t0,
         per_replica_served=served,
+        forced_eviction_share=sum(r.forced_evictions for r in replicas)
+        / max(1, sum(r.evictions for r in replicas)),
+        admitted=[r.admitted or [] for r in replicas],
     )
 
 

@@ -24,7 +24,16 @@ needs a rule that learns the shares better than these do, on a fleet with less r
 the pool: evidence, not a proof. The sweep prints the fewest of them per run (`pool`) and
 marks a slot miss `+` where it is over the target, not `*`.
 
+`--per-replica` replays, after a run of a policy, each replica's adapters in the order its
+engine admitted them through that replica's own max_loras slots, by every rule, with no
+slot held by a running request (`replica_replay`). The engine loads on exactly those
+sequences, so Belady there is its floor; the gap from the engine's loads to the learning
+rules is what running requests holding slots cost (it also prints how many evictions could
+not take the adapter the rule ranks last), and the gap from the pool is what the split into
+replicas costs.
+
     python -m cluster.sim_pooled --point 18          # both seeds, 20,000 requests each
+    python -m cluster.sim_pooled --point 23 --per-replica affinity,ray_multiplex@raylora
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ import heapq
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 
-from cluster.sim import _adapter_name, _workload, simulate
+from cluster.sim import SimResult, _adapter_name, _workload, simulate
 from cluster.sim_config import SimConfig
 from cluster.sim_floors import zipf_shares
 
@@ -92,7 +101,12 @@ def pooled_loads(cfg: SimConfig, rule: str, seq: Sequence[str] | None = None) ->
     caller that asks for several rules), evicting by `rule` (RULES)."""
     if seq is None:
         seq = adapter_trace(cfg)
-    slots = cfg.num_replicas * cfg.max_loras
+    return rule_loads(cfg, rule, seq, cfg.num_replicas * cfg.max_loras)
+
+
+def rule_loads(cfg: SimConfig, rule: str, seq: Sequence[str], slots: int) -> int:
+    """Loads of a `slots`-entry cache over `seq` evicting by `rule` (RULES; `oracle` takes
+    the shares of `cfg`'s workload)."""
     if rule == "belady":
         return belady_loads(seq, slots)
     if rule == "oracle":
@@ -105,6 +119,20 @@ def pooled_loads(cfg: SimConfig, rule: str, seq: Sequence[str] | None = None) ->
     if rule == "lru":
         return keyed_loads(seq, slots, lambda _a, _c, t: t)
     raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+
+
+def replica_replay(cfg: SimConfig, policy: str = "affinity") -> tuple[SimResult, dict[str, int]]:
+    """Run `policy`, then replay each replica's adapters, in the order its engine admitted
+    them, offline through a cache of its max_loras slots by every rule (no slot ever held by
+    a running request). The engine loads on exactly that sequence with that many slots, so
+    it makes at least the `belady` figure. Returns (the run, rule -> loads summed over the
+    replicas)."""
+    result = simulate(policy, cfg, record_admissions=True)
+    loads = {
+        rule: sum(rule_loads(cfg, rule, seq, cfg.max_loras) for seq in result.admitted)
+        for rule in RULES
+    }
+    return result, loads
 
 
 def adapter_trace(cfg: SimConfig) -> list[str]:
@@ -124,6 +152,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--point", type=int, required=True, help="a point of the sweep's design")
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--requests", type=int, default=20_000)
+    ap.add_argument(
+        "--per-replica",
+        default="",
+        metavar="POLICIES",
+        help="also replay, for each of these policies (comma-separated, e.g. "
+        "affinity,ray_multiplex@raylora), each replica's admitted sequence offline",
+    )
     args = ap.parse_args(argv)
     # sim_sweep imports this module
     from cluster.sim_sweep import DESIGN_POINTS, DESIGN_SEED, PEER, TARGETS, sweep_configs
@@ -144,7 +179,15 @@ def main(argv: list[str] | None = None) -> None:
             f"affinity {ours:.1f}, {PEER} {peer:.1f}, target {TARGETS['slot'] * peer:.1f}; "
             f"one pool of {cfg.num_replicas * cfg.max_loras} slots: {pooled}"
         )
-
+        for policy in filter(None, args.per_replica.split(",")):
+            run, replayed = replica_replay(cfg, policy)
+            offline = "  ".join(f"{r} {n * per_1k:.1f}" for r, n in replayed.items())
+            print(
+                f"  {policy} ({run.slot_loads_per_1k:.1f}), each replica's admitted sequence "
+                f"offline with {cfg.max_loras} slots, none busy: {offline}; "
+                f"{run.forced_eviction_share:.0%} of its engine's evictions could not take "
+                "the adapter its rule ranks last (running)"
+            )
 
 if __name__ == "__main__":
     main()

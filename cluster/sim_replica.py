@@ -70,6 +70,10 @@ class Replica:
         self.num_waiting = 0
         self.num_served = 0
         self.slot_loads = 0
+        self.evictions = 0  # slot loads that evicted an adapter
+        # of those, where the adapter the eviction rule ranks last was running (not evictable)
+        self.forced_evictions = 0
+        self.admitted: list[str] | None = None  # adapters in admission order, if recorded
         self.top_slot_loads = 0  # slot loads of adapters in self.top: reloads the floor excludes
         self.disk_loads = 0  # reads into the CPU cache, from any tier
         self.cold_loads = 0  # of those, from the cold tier (all of them without a local tier)
@@ -187,7 +191,10 @@ class Replica:
         cfg = self.cfg
         if len(self.slots) >= cfg.max_loras:
             idle = [a for a in self.slots if self.running_by_adapter.get(a, 0) == 0]
-            del self.slots[self._victim(idle)]
+            victim = self._victim(idle)
+            self.evictions += 1
+            self.forced_evictions += victim != self._victim(list(self.slots))
+            del self.slots[victim]
         cost = cfg.cpu_load_ms
         if adapter in self.cpu and self.cpu[adapter] <= now:
             self.cpu.move_to_end(adapter)
@@ -280,6 +287,8 @@ class Replica:
                 adapter = pick
             req = self._pop(adapter)
             ready = now
+            if adapter and self.admitted is not None:
+                self.admitted.append(adapter)
             if adapter:
                 if adapter not in self.slots:
                     ready, stall = self._acquire_slot(adapter, now)

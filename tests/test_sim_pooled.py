@@ -101,3 +101,64 @@ def test_the_sweep_marks_a_slot_miss_over_the_target_on_the_pool():
     assert _mark(run(91.0), "slot") == "slot+"  # the learning rules make 0.91x on the pool
     assert _mark(run(89.0), "slot") == "slot"  # they make 0.89x: nothing explains the miss
     assert _mark(run(91.0, floor=95.0), "slot") == "slot*"  # the floor itself is over 0.9x
+
+
+@pytest.mark.timeout(60)
+def test_forced_evictions_by_hand():
+    """An eviction is forced when the adapter the rule ranks last is running: the engine
+    must evict a more requested idle one instead."""
+    from cluster.sim_config import Request
+    from cluster.sim_replica import Replica
+
+    cfg = SimConfig(
+        num_replicas=1, max_loras=2, disk_load_ms=0.0, cpu_load_ms=0.0, prefill_ms_per_token=0.0,
+        engine="config", eviction="frequency", shared_tier_ms=None,
+    )
+    r = Replica("r", cfg, check=True)
+    r.admitted = []
+    bs = [Request(i, "b", 0.0, prompt_tokens=1, output_tokens=1) for i in range(3)]
+    for b in bs:
+        r.enqueue(b, 0.0)
+    assert r.schedule(0.0) == bs
+    for b in bs:
+        r.complete(b, b.finish)
+    a = Request(3, "a", 1000.0, prompt_tokens=1, output_tokens=100)
+    r.enqueue(a, 1000.0)
+    assert r.schedule(1000.0) == [a]  # the free slot: no eviction
+    c = Request(4, "c", 1001.0, prompt_tokens=1, output_tokens=1)
+    r.enqueue(c, 1001.0)
+    assert r.schedule(1001.0) == [c]
+    # a (1 request) ranks last but runs: c evicts b (3 requests)
+    assert (r.evictions, r.forced_evictions) == (1, 1) and set(r.slots) == {"a", "c"}
+    r.complete(c, c.finish)
+    r.complete(a, a.finish)
+    d = Request(5, "d", 5000.0, prompt_tokens=1, output_tokens=1)
+    r.enqueue(d, 5000.0)
+    assert r.schedule(5000.0) == [d]
+    # a and c: one request each, both idle; a is the least recently used
+    assert (r.evictions, r.forced_evictions) == (2, 1) and set(r.slots) == {"c", "d"}
+    assert r.admitted == ["b", "b", "b", "a", "c", "d"]
+
+
+@pytest.mark.timeout(60)
+def test_replica_replay_bounds_the_engine():
+    from collections import Counter
+
+    from cluster.sim import simulate
+    from cluster.sim_pooled import adapter_trace, replica_replay
+
+    cfg = SimConfig(num_replicas=3, max_loras=2, num_adapters=30, num_requests=400)
+    result, loads = replica_replay(cfg)
+    admitted = [a for seq in result.admitted for a in seq]
+    assert Counter(admitted) == Counter(adapter_trace(cfg))  # each admitted once, somewhere
+    engine = round(result.slot_loads_per_1k * result.num_completed / 1000)
+    pairs = sum(len(set(seq)) for seq in result.admitted)  # first loads on each replica
+    # the engine loads on exactly these sequences with max_loras slots: Belady is its floor
+    assert pairs <= loads["belady"] <= engine
+    assert all(loads["belady"] <= n for n in loads.values())
+    assert 0 < result.forced_eviction_share <= 1
+    roomy = SimConfig(num_replicas=3, max_loras=30, num_adapters=30, num_requests=400)
+    result, loads = replica_replay(roomy)
+    pairs = sum(len(set(seq)) for seq in result.admitted)
+    assert set(loads.values()) == {pairs} and result.forced_eviction_share == 0
+    assert simulate("affinity", cfg).admitted == [[], [], []]  # recorded only when asked
