@@ -29,25 +29,14 @@ The refresh task starts with the first routed request and stops by itself when R
 down in this process (a driver's router loop outlives `ray.shutdown()`) or when nothing was
 routed for `registry_max_age_s`; the next request starts it again.
 
-Placement (deployments/placement.py): the router counts the requests it routes
-(`on_request_routed`, once per request; base requests count in the total), and at
-`first_replan`, twice that, ... requests, then every `replan_every`, gives each popular
-adapter (within the placed slots, at least `min_placed_count` requests counted) k >= 1
-homes, k from its share of that traffic, its current holders first, within the slots the replicas have (`max_loras`: the
-kwarg, else what the replicas report as `routing_stats["max_loras"]`; with neither, no
-placement: every adapter stays on its holders). A placed adapter grows onto its next home
-only when every home holding it is over the load bound. Each plan also moves at most
-`max_moves` adapters that are not hot off the replica whose estimated traffic is over
-`rebalance_over` / n, to the least busy one (placement.rebalance; max_moves 0, the
-default: never; see docs/routing.md for what 1 did in the simulator and on a real app).
+Placement (deployments/placement.py, which says how homes are chosen and grown): the router
+counts every request it routes (`on_request_routed`; base requests count in the total) and
+replans at `first_replan`, twice that, ... requests, then every `replan_every`, within the
+slots the replicas have (`max_loras`: the kwarg, else their `routing_stats["max_loras"]`;
+with neither, no placement: every adapter stays on its holders).
 
 Configure through `request_router_config.request_router_kwargs`, which Ray passes to
-`initialize_state`:
-    load_bound_c (1.25), min_load_bound (4), count_slack (0.05), recent_routes_s (2.0),
-    registry_refresh_s (2.0), registry_max_age_s (30.0),
-    use_registry (True), seed (None), max_loras (None), use_placement (True),
-    popularity_half_life (20000), replan_every (1000), first_replan (32),
-    min_placed_count (16), rebalance_over (1.3), max_moves (0), max_batch (None).
+`initialize_state` (its keyword arguments, with their defaults).
 
 max_batch: a replica with this many requests is over the load bound whatever the mean
 (routing_policy.load_bound); None: the smallest `routing_stats["max_num_seqs"]` the replicas
