@@ -98,3 +98,87 @@ def print_summary(policy: str, s: dict) -> None:
         f"  {policy}: slowest {s['tail_n']} ms: {tail}; in flight at arrival "
         f"{s['tail_inflight']:.2f}; per replica {s['tail_replicas']} (all: {s['served']})"
     )
+
+
+# ---- reading a benchmark's --latencies-out file ---------------------------------------------
+
+# the trace's adapters, most requested first, split into groups of these sizes (the rest last)
+POPULARITY_GROUPS = (1, 4, 10)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def popularity_groups(trace: list, sizes: tuple[int, ...] = POPULARITY_GROUPS) -> list[set[str]]:
+    """The trace's adapters by request count, most requested first (name among equals), in
+    groups of `sizes`, then one group of the rest (empty groups left out)."""
+    counts = Counter(adapter for _, adapter in trace)
+    ranked = sorted(counts, key=lambda a: (-counts[a], a))
+    groups, start = [], 0
+    for size in (*sizes, len(ranked)):
+        if ranked[start : start + size]:
+            groups.append(set(ranked[start : start + size]))
+        start += size
+    return groups
+
+
+def by_popularity(record: dict, sizes: tuple[int, ...] = POPULARITY_GROUPS) -> dict[str, list]:
+    """policy -> per popularity group, every run pooled: (adapters, requests, first token p50
+    and p99 ms, latency p99 ms)."""
+    adapter_of = [adapter for _, adapter in record["trace"]]
+    groups = popularity_groups(record["trace"], sizes)
+    out: dict[str, list] = {}
+    for policy in dict.fromkeys(r["policy"] for r in record["runs"]):
+        rows = []
+        for group in groups:
+            first, total = [], []
+            for run in record["runs"]:
+                if run["policy"] != policy:
+                    continue
+                for i, t in run["timings"].items():
+                    if adapter_of[int(i)] in group:
+                        first.append(t["phases"]["first_token"])
+                        total.append(t["total"])
+            rows.append((len(group), len(first), _pct(first, 0.5), _pct(first, 0.99), _pct(total, 0.99)))
+        out[policy] = rows
+    return out
+
+
+def decode_by_run(record: dict) -> list[tuple[int, str, float]]:
+    """(run, policy, mean decode ms) in the order the runs ran: the decode of a few tokens is
+    the same work in every arm, so its drift between runs is the machine's."""
+    return [
+        (r["run"], r["policy"], statistics.fmean(t["phases"]["rest"] for t in r["timings"].values()))
+        for r in record["runs"]
+        if r["timings"]
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(
+        description="First-token and latency percentiles by adapter popularity, every run "
+        "pooled, from benchmarks/routing.py --latencies-out"
+    )
+    ap.add_argument("latencies", help="the JSON file --latencies-out wrote")
+    args = ap.parse_args(argv)
+    with open(args.latencies) as f:
+        record = json.load(f)
+    names = ("most requested", "next 4", "next 10", "the rest")
+    for policy, rows in by_popularity(record).items():
+        print(f"{policy}:")
+        for name, (adapters, n, ft50, ft99, p99) in zip(names, rows, strict=False):
+            print(
+                f"  {name:<15}{adapters:>3} adapters {n:>6} requests: first token p50 "
+                f"{ft50:5.1f} p99 {ft99:5.1f} ms; latency p99 {p99:5.1f} ms"
+            )
+    drift = ", ".join(f"{run}:{policy} {ms:.1f}" for run, policy, ms in decode_by_run(record))
+    print(f"mean decode ms per run, in the order run: {drift}")
+
+
+if __name__ == "__main__":
+    main()

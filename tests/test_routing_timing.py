@@ -1,0 +1,54 @@
+"""benchmarks/routing_timing.py: reading a routing benchmark's --latencies-out file."""
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _timing(first: float, total: float, rest: float = 10.0) -> dict:
+    return {"total": total, "replica": "r", "inflight": 0, "phases": {"first_token": first, "rest": rest}}
+
+
+def _record() -> dict:
+    # "b" is asked 3 times, "a" and "c" once each: groups of 1 then the rest are {b}, {a, c}
+    trace = [[0.0, "a"], [0.1, "b"], [0.2, "b"], [0.3, "c"], [0.4, "b"]]
+    fast = {str(i): _timing(1.0 + i, 10.0 + i) for i in range(5)}
+    slow = {str(i): _timing(2.0 * (1 + i), 20.0 + i, rest=14.0) for i in range(5)}
+    return {
+        "trace": trace,
+        "runs": [
+            {"policy": "x", "run": 0, "latency_ms": {}, "timings": fast},
+            {"policy": "y", "run": 0, "latency_ms": {}, "timings": slow},
+            {"policy": "y", "run": 1, "latency_ms": {}, "timings": fast},
+        ],
+    }
+
+
+def test_groups_by_the_traces_own_counts():
+    from benchmarks.routing_timing import popularity_groups
+
+    record = _record()
+    assert popularity_groups(record["trace"], (1,)) == [{"b"}, {"a", "c"}]
+    assert popularity_groups(record["trace"], (1, 5)) == [{"b"}, {"a", "c"}]  # no empty rest
+    assert popularity_groups(record["trace"], (2,)) == [{"b", "a"}, {"c"}]  # name among equals
+
+
+def test_percentiles_pool_every_run_of_an_arm(tmp_path, capsys):
+    from benchmarks.routing_timing import by_popularity, decode_by_run, main
+
+    record = _record()
+    rows = by_popularity(record, (1,))
+    # x, group {b}: requests 1, 2, 4 -> first tokens 2, 3, 5; p50 is the middle one, p99 the last
+    assert rows["x"] == [(1, 3, 3.0, 5.0, 14.0), (2, 2, 4.0, 4.0, 13.0)]
+    # y pools its two runs: {b} first tokens 4, 6, 10 (slow run) and 2, 3, 5 (fast run);
+    # sorted 2 3 4 5 6 10, p50 at index int(0.5 * 6) = 3
+    n, ft50, ft99 = rows["y"][0][1:4]
+    assert (n, ft50, ft99) == (6, 5.0, 10.0)
+    assert decode_by_run(record) == [(0, "x", 10.0), (0, "y", 14.0), (1, "y", 10.0)]
+    path = tmp_path / "lat.json"
+    path.write_text(json.dumps(record))
+    main([str(path)])
+    out = capsys.readouterr().out
+    assert "x:" in out and "y:" in out and "0:y 14.0, 1:y 10.0" in out
