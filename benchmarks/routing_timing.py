@@ -170,7 +170,13 @@ def main(argv: list[str] | None = None) -> None:
         record = json.load(f)
     names = ("most requested", "next 4", "next 10", "the rest")
     for policy, rows in by_popularity(record).items():
-        print(f"{policy}:")
+        timings = [t for r in record["runs"] if r["policy"] == policy for t in r["timings"].values()]
+        means = " ".join(
+            f"{p} {statistics.fmean(t['phases'][p] for t in timings):.2f}"
+            for p in PHASES
+            if all(p in t["phases"] for t in timings)
+        )
+        print(f"{policy}: mean ms, all runs: {means}")
         for name, (adapters, n, ft50, ft99, p99) in zip(names, rows, strict=False):
             print(
                 f"  {name:<15}{adapters:>3} adapters {n:>6} requests: first token p50 "

@@ -51,4 +51,6 @@ def test_percentiles_pool_every_run_of_an_arm(tmp_path, capsys):
     path.write_text(json.dumps(record))
     main([str(path)])
     out = capsys.readouterr().out
-    assert "x:" in out and "y:" in out and "0:y 14.0, 1:y 10.0" in out
+    assert "x: mean ms, all runs: first_token 3.00 rest 10.00" in out
+    assert "y: mean ms, all runs: first_token 4.50 rest 12.00" in out  # (6 + 3) / 2, (14 + 10) / 2
+    assert "0:y 14.0, 1:y 10.0" in out
