@@ -265,7 +265,7 @@ def registry_waits() -> int:
 def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -> dict:
     from ray import serve
 
-    from benchmarks.routing_timing import summarize
+    from benchmarks.routing_timing import percentile, summarize
 
     app_name = f"bench-{policy}"
     app = build_llm_app(policy, args, model, adapters)
@@ -304,7 +304,7 @@ def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -
         )
         for r, s in after_stats.items()
     ]
-    lat = sorted(latencies.values())
+    lat = list(latencies.values())
     return {
         "policy": policy,
         "ok": len(latencies),
@@ -319,8 +319,8 @@ def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -
         "replica_gc": replica_gc,
         "replica_frozen": [s["gc"]["frozen_objects"] for s in after_stats.values()],
         "loads": activations + disk,
-        "p50_ms": 1000 * lat[len(lat) // 2] if lat else float("nan"),
-        "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else float("nan"),
+        "p50_ms": 1000 * percentile(lat, 0.5),
+        "p99_ms": 1000 * percentile(lat, 0.99),
         "mean_ms": 1000 * statistics.fmean(lat) if lat else float("nan"),
         "cpu_cached_per_replica": resident,
         "wall_s": wall,
@@ -363,8 +363,9 @@ def medians(results: list[dict]) -> list[dict]:
 def pooled_p99_ms(runs: list[dict]) -> float:
     """p99 of every request of every run (a run's p99 rests on its slowest 1%: 24 requests of
     2,400; pooled, the slowest 1% of all of them)."""
-    lat = sorted(x for r in runs for x in r["latency_ms"].values())
-    return lat[min(len(lat) - 1, int(0.99 * len(lat)))]
+    from benchmarks.routing_timing import percentile
+
+    return percentile([x for r in runs for x in r["latency_ms"].values()], 0.99)
 
 
 def print_p99_spread(results: list[dict], peer: str) -> None:

@@ -106,7 +106,9 @@ def print_summary(policy: str, s: dict) -> None:
 POPULARITY_GROUPS = (1, 4, 10)
 
 
-def _pct(xs: list[float], q: float) -> float:
+def percentile(xs: list[float], q: float) -> float:
+    """The value at index int(q * n) of `xs` sorted (NaN if empty): benchmarks/routing.py's
+    judged p50 / p99 and this file's figures."""
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
@@ -141,7 +143,7 @@ def by_popularity(record: dict, sizes: tuple[int, ...] = POPULARITY_GROUPS) -> d
                     if adapter_of[int(i)] in group:
                         first.append(t["phases"]["first_token"])
                         total.append(t["total"])
-            rows.append((len(group), len(first), _pct(first, 0.5), _pct(first, 0.99), _pct(total, 0.99)))
+            rows.append((len(group), len(first), percentile(first, 0.5), percentile(first, 0.99), percentile(total, 0.99)))
         out[policy] = rows
     return out
 
