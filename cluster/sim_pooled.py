@@ -169,8 +169,10 @@ def main(argv: list[str] | None = None) -> None:
         if point != args.point:
             continue
         per_1k = 1000 / cfg.num_requests
-        peer = simulate(PEER, cfg).slot_loads_per_1k
-        ours = simulate("affinity", cfg).slot_loads_per_1k
+        replays = {p: replica_replay(cfg, p) for p in filter(None, args.per_replica.split(","))}
+        runs = {p: run for p, (run, _) in replays.items()}  # a replayed run is not rerun
+        peer = (runs.get(PEER) or simulate(PEER, cfg)).slot_loads_per_1k
+        ours = (runs.get("affinity") or simulate("affinity", cfg)).slot_loads_per_1k
         seq = adapter_trace(cfg)
         pooled = "  ".join(f"{r} {pooled_loads(cfg, r, seq) * per_1k:.1f}" for r in RULES)
         print(
@@ -179,8 +181,7 @@ def main(argv: list[str] | None = None) -> None:
             f"affinity {ours:.1f}, {PEER} {peer:.1f}, target {TARGETS['slot'] * peer:.1f}; "
             f"one pool of {cfg.num_replicas * cfg.max_loras} slots: {pooled}"
         )
-        for policy in filter(None, args.per_replica.split(",")):
-            run, replayed = replica_replay(cfg, policy)
+        for policy, (run, replayed) in replays.items():
             offline = "  ".join(f"{r} {n * per_1k:.1f}" for r, n in replayed.items())
             print(
                 f"  {policy} ({run.slot_loads_per_1k:.1f}), each replica's admitted sequence "
@@ -188,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{run.forced_eviction_share:.0%} of its engine's evictions could not take "
                 "the adapter its rule ranks last (running)"
             )
+
 
 if __name__ == "__main__":
     main()

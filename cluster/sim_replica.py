@@ -287,9 +287,9 @@ class Replica:
                 adapter = pick
             req = self._pop(adapter)
             ready = now
-            if adapter and self.admitted is not None:
-                self.admitted.append(adapter)
             if adapter:
+                if self.admitted is not None:
+                    self.admitted.append(adapter)
                 if adapter not in self.slots:
                     ready, stall = self._acquire_slot(adapter, now)
                     self._stall(now, stall)  # the running requests wait for the copy
