@@ -317,11 +317,17 @@ def test_compile_runs_off_the_step_and_bad_schema_fails_at_generate(tiny_model_d
 
     monkeypatch.setattr(eng.engine.structured, "_compile", slow_compile)
 
+    compiled = asyncio.Event()
+
     async def stream_times():
-        times = []
-        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-        async for _ in eng.generate("Hello world!", params, "long"):
-            times.append(time.monotonic())
+        # Back-to-back streams until the compile is over: a fixed token count ends early on a
+        # fast machine (400 tokens took 0.55 s here and less in CI).
+        times, i = [], 0
+        params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        while not compiled.is_set():
+            async for _ in eng.generate("Hello world!", params, f"long-{i}"):
+                times.append(time.monotonic())
+            i += 1
         return times
 
     async def constrained():
@@ -334,6 +340,7 @@ def test_compile_runs_off_the_step_and_bad_schema_fails_at_generate(tiny_model_d
                 "Hi", SamplingParams(temperature=0, structured_outputs=so), "c"
             )
         ]
+        compiled.set()
         return start, outs[-1]
 
     async def main():
