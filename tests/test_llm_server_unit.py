@@ -5,6 +5,7 @@ carries what the engine produced."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import pytest
@@ -60,13 +61,14 @@ def test_adapter_read_does_not_block_the_event_loop(tiny_model_dir, tmp_path, mo
                 gaps.append((last, now - last))
                 last = now
 
-        async def base_stream():
+        async def base_stream():  # back to back until cancelled: outlasts the read anywhere
             spec = SamplingSpec(max_tokens=400, temperature=0, ignore_eos=True)
-            request = GenerateRequest("base", spec, prompt="Hello there")
-            async for _ in server.generate(request):
-                token_times.append(time.monotonic())
-                if not loading.is_set() and len(token_times) > 3:
-                    loading.set()
+            for i in itertools.count():
+                request = GenerateRequest(f"base-{i}", spec, prompt="Hello there")
+                async for _ in server.generate(request):
+                    token_times.append(time.monotonic())
+                    if not loading.is_set() and len(token_times) > 3:
+                        loading.set()
 
         async def adapter_request():
             await loading.wait()
