@@ -85,7 +85,8 @@ class Router:
         if self.policy == "affinity":
             self.planner.record(req.adapter)  # the Serve router sees every request too
             views = self.inflight.apply(self.recent.apply(self._views(), req.arrival / 1000))
-            home = self.planner.placement(self.replica_ids, lambda: holders(views)).get(
+            cold = not all(v.reads_shared for v in views)
+            home = self.planner.placement(self.replica_ids, lambda: holders(views), cold).get(
                 req.routing_key
             )
             rank = tail_rank(len(reps), self.cfg.max_loras)

@@ -142,6 +142,7 @@ def plan_placement(
     holders: Mapping[str, Sequence[str]] | None = None,
     counts: Mapping[str, float] | None = None,
     prev: Placement | None = None,
+    cold_moves: bool = False,
 ) -> dict[str, tuple[str, ...]]:
     """Place the hot adapters (see the module docstring); returns adapter -> its home, the
     replicas holding it first, each group in the adapter's rendezvous order. Deterministic in
@@ -149,7 +150,11 @@ def plan_placement(
 
     holders: adapter -> replicas holding it now (slot or CPU cache); counts: adapter -> its
     requests counted (None: no minimum, cfg.min_count does not apply); prev: the last
-    placement (its single homes, `rebalance`, are kept while their adapter is not hot)."""
+    placement (its single homes, `rebalance`, are kept while their adapter is not hot);
+    cold_moves: a replica that does not hold an adapter reads it from the cold tier (some
+    replica reads no shared tier, `ReplicaView.reads_shared`), so an adapter with k = 1 is
+    homed only on a holder with room: its home is for the balance of where the popular
+    adapters were dealt, not worth a cold read (a new home of a hot adapter still is)."""
     n = len(replica_ids)
     per_replica = cfg.placed_per_replica()
     if n == 0 or per_replica == 0:
@@ -196,11 +201,15 @@ def plan_placement(
         # never move what is already there while its holder keeps a slot free beside its
         # placed adapters (a new home needs room within per_replica)
         picks = [r for r in order if r in here and num_placed[r] < cfg.max_loras - 1][:k]
-        new = [r for r in room if r not in here]
+        new = [r for r in room if r not in here] if k > 1 or not cold_moves else []
         picks += [r for r in new if load[r] + each <= cap + 1e-12][: k - len(picks)]
         if len(picks) < k:  # the cap binds: the least loaded with a slot left
             rest = sorted((r for r in new if r not in picks), key=lambda r: load[r])
             picks += rest[: k - len(picks)]
+        if not picks and cold_moves and k == 1:
+            for rid in here & load.keys():  # not placed: it stays where it is held
+                load[rid] += share / len(here & load.keys())
+            continue
         if len(picks) < cfg.min_replicas:
             # the budget counts slots, but the ones left may be on too few replicas (two
             # free on one): no placement for it, nor for anyone less popular
@@ -295,11 +304,13 @@ class PlacementPlanner:
         self,
         replica_ids: Sequence[str],
         holders: Callable[[], Mapping[str, Sequence[str]]] | None = None,
+        cold_moves: bool = False,
     ) -> Placement:
         """The current placement; replanned when the replica set changes, at first_replan,
         2 x first_replan, 4 x ... recorded requests (a small fleet's hot adapter needs its
         homes before a thousand requests have passed), then every `replan_every` requests.
-        holders() -> adapter -> replicas holding it (called only to replan)."""
+        holders() -> adapter -> replicas holding it (called only to replan); cold_moves: as
+        for `plan_placement`."""
         ids = tuple(sorted(replica_ids))
         n = self.popularity.num_recorded
         interval = min(self.replan_every, max(self.first_replan, self._planned_at))
@@ -307,7 +318,7 @@ class PlacementPlanner:
             held = holders() if holders is not None else {}
             pop = self.popularity
             self._placement = plan_placement(
-                pop.shares(), ids, self.cfg, held, pop.counts, self._placement
+                pop.shares(), ids, self.cfg, held, pop.counts, self._placement, cold_moves
             )
             self._replica_ids, self._planned_at = ids, n
         return self._placement

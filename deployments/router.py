@@ -254,7 +254,8 @@ class AdapterAffinityRouter(RequestRouter):
                 return None
             self._planner = self._new_planner(max_loras)
         ids = [r.replica_id.unique_id for r in candidates]
-        return self._planner.placement(ids, lambda: holders(views)).get(adapter_id)
+        cold = not all(v.reads_shared for v in views)
+        return self._planner.placement(ids, lambda: holders(views), cold).get(adapter_id)
 
     def _batch_size(self, candidates: list[RunningReplica]) -> int | None:
         """The kwarg, else the smallest max_num_seqs the replicas report (None: none does)."""

@@ -79,6 +79,32 @@ def test_no_replica_gets_more_popular_adapters_than_its_placed_slots():
     assert len(plc) == 20 and where["r0"] == 7 and max(where[r] for r in ids[1:]) == 6
 
 
+def test_where_a_move_is_a_cold_read_an_adapter_with_k_1_is_homed_only_where_it_is_held():
+    """cold_moves (a replica reads no shared tier): the 20 adapters of the test above, all on
+    r0, stay there: r0 homes the 3 its placed slots take, none moves off it for balance (each
+    move would be a read from disk), the rest are not placed. A hot adapter still gets its k
+    homes, new ones included; one with k = 1 held nowhere gets no home (new_home deals it)."""
+    from deployments.placement import PlacementConfig, PlacementPlanner, plan_placement
+
+    ids = ["r0", "r1", "r2", "r3"]
+    shares = {f"x{i:02d}": 0.045 for i in range(20)}
+    held = {a: ["r0"] for a in shares}
+    plc = plan_placement(shares, ids, PlacementConfig(max_loras=4), held, cold_moves=True)
+    assert plc == {a: ("r0",) for a in sorted(shares)[:3]}
+    shares = {"a": 0.4, "b": 0.1, "c": 0.05}
+    cfg = PlacementConfig(max_loras=4, headroom=1.5)
+    a_homes = tuple(rendezvous_order("a", ids)[:3])
+    assert plan_placement(shares, ids, cfg, {"c": ["r2"]}, cold_moves=True) == {
+        "a": a_homes,
+        "c": ("r2",),
+    }
+    planner = PlacementPlanner(cfg, first_replan=1)
+    for a in ["a"] * 32 + ["b"] * 16 + [""] * 60:  # b: k = 1
+        planner.record(a)
+    assert set(planner.placement(ids, lambda: {}, cold_moves=True)) == {"a"}
+    assert set(PlacementPlanner(cfg, popularity=planner.popularity).placement(ids)) == {"a", "b"}
+
+
 def test_an_adapter_with_few_requests_counted_is_not_placed():
     """A share from a handful of requests is noise: below min_count requests an adapter is
     not placed, whatever its share; the planner replans at 32, 64, 128, ... requests, then
