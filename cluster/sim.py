@@ -328,6 +328,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--base-tenants", type=int, default=4)
     ap.add_argument("--prefix-cache-tokens", type=int, default=0, help="per replica; 0 = off")
     add_config_args(ap)
+    ap.add_argument(
+        "--no-shared-tier",
+        action="store_true",
+        help="raylora's replicas read every adapter they lack from the cold tier (as the real "
+        "app's do: its KB adapters read from disk faster than from the shared tier)",
+    )
     ap.add_argument("--policies", default=",".join(POLICIES))
     args = ap.parse_args(argv)
     cfg = config_from_args(
@@ -343,6 +349,7 @@ def main(argv: list[str] | None = None) -> None:
         system_prompt_tokens=args.system_prompt_tokens,
         num_base_tenants=args.base_tenants,
         prefix_cache_tokens=args.prefix_cache_tokens,
+        **({"shared_tier_ms": None} if args.no_shared_tier else {}),
     )
     policies = [p for p in args.policies.split(",") if p]
     print(
@@ -353,7 +360,8 @@ def main(argv: list[str] | None = None) -> None:
         f"cold load {cfg.disk_load_ms:.0f} ms"
         + (f" (then {cfg.local_read_ms:.0f} ms from local disk)" if cfg.local_read_ms else "")
         + f", slot load {cfg.cpu_load_ms:.0f} ms"
-        f" ({'stalls the step' if cfg.stall_loads else 'async'}), engines: {cfg.engine}"
+        f" ({'stalls the step' if cfg.stall_loads else 'async'}), engines: {cfg.engine}, "
+        + (f"shared tier {cfg.shared_tier_ms:.0f} ms" if cfg.shared_tier_ms else "no shared tier")
     )
     results = [simulate(p, cfg) for p in policies]
     print(format_table(results))

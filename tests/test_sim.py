@@ -95,8 +95,10 @@ def test_cli_prints_a_table(capsys):
     main(["--replicas", "3", "--adapters", "20", "--requests", "300", "--policies", "affinity,p2c"])
     out = capsys.readouterr().out
     assert "affinity" in out and "p2c" in out and "loads/1k" in out
-    assert "slot-load floor for any router" in out
+    assert "slot-load floor for any router" in out and "shared tier 30 ms" in out
     assert format_table([]).startswith("policy")
+    main(["--replicas", "3", "--adapters", "20", "--requests", "300", "--no-shared-tier"])
+    assert "no shared tier" in capsys.readouterr().out
 
 
 def test_prefix_workload_hit_rates():
