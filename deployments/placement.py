@@ -160,6 +160,7 @@ def plan_placement(
     if n == 0 or per_replica == 0:
         return {}
     ranked = sorted(((s, a) for a, s in shares.items()), key=lambda x: (-x[0], x[1]))
+    held = holders or {}
     budget = n * per_replica  # placed slots, most popular first
     chosen: list[tuple[str, float, int]] = []
     for share, adapter in ranked:
@@ -168,10 +169,11 @@ def plan_placement(
             break
         if counts is not None and counts.get(adapter, 0.0) < cfg.min_count:
             break  # ranked by share: every later one has fewer
+        if cold_moves and k == 1 and not held.get(adapter):
+            continue  # it can have no home (below): its placed slot goes to the next one
         chosen.append((adapter, share, k))
         budget -= k
     placed = {a for a, _, _ in chosen}
-    held = holders or {}
     # estimated traffic per replica: the adapters not placed where they are held (or at
     # their single home), then the placed ones' parts as they are placed
     load = dict.fromkeys(replica_ids, 0.0)

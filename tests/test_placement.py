@@ -83,7 +83,8 @@ def test_where_a_move_is_a_cold_read_an_adapter_with_k_1_is_homed_only_where_it_
     """cold_moves (a replica reads no shared tier): the 20 adapters of the test above, all on
     r0, stay there: r0 homes the 3 its placed slots take, none moves off it for balance (each
     move would be a read from disk), the rest are not placed. A hot adapter still gets its k
-    homes, new ones included; one with k = 1 held nowhere gets no home (new_home deals it)."""
+    homes, new ones included; one with k = 1 held nowhere gets no home (new_home deals it)
+    and takes no placed slot from a less requested one that can have one."""
     from deployments.placement import PlacementConfig, PlacementPlanner, plan_placement
 
     ids = ["r0", "r1", "r2", "r3"]
@@ -97,6 +98,14 @@ def test_where_a_move_is_a_cold_read_an_adapter_with_k_1_is_homed_only_where_it_
     assert plan_placement(shares, ids, cfg, {"c": ["r2"]}, cold_moves=True) == {
         "a": a_homes,
         "c": ("r2",),
+    }
+    # one placed slot a replica (4 in all), 'a' takes 3: 'b', held nowhere, does not take the
+    # last from 'c', whose holder has room for it
+    last = rendezvous_order("a", ids)[3]
+    tight = PlacementConfig(max_loras=2, headroom=1.5)
+    assert plan_placement(shares, ids, tight, {"c": [last]}, cold_moves=True) == {
+        "a": a_homes,
+        "c": (last,),
     }
     planner = PlacementPlanner(cfg, first_replan=1)
     for a in ["a"] * 32 + ["b"] * 16 + [""] * 60:  # b: k = 1
