@@ -8,7 +8,8 @@ fleet. `plan_placement` gives the most requested adapters, down to the fleet's p
 slots, k replicas each, its *home*, from fleet-wide request counts (`AdapterPopularity`):
 k = ceil(share x n x headroom) (llm-d bounds each LoRA to k pods for the same reason); an
 adapter with k = 1 gets one (`min_replicas` 1), so no replica is dealt more of the popular
-adapters than it has slots. Its current holders come first while they have a slot free
+adapters than it has slots (where a move is a cold read, only on a replica holding it:
+`cold_moves`). Its current holders come first while they have a slot free
 beside their placed adapters (a placement does not move an adapter its holder can keep),
 then replicas whose estimated traffic stays under `balance_slack` x the mean, in the
 adapter's rendezvous order, within `max_loras - reserve_slots` placed adapters per replica
@@ -209,8 +210,9 @@ def plan_placement(
             rest = sorted((r for r in new if r not in picks), key=lambda r: load[r])
             picks += rest[: k - len(picks)]
         if not picks and cold_moves and k == 1:
-            for rid in here & load.keys():  # not placed: it stays where it is held
-                load[rid] += share / len(here & load.keys())
+            stays = here & load.keys()  # not placed: it stays where it is held
+            for rid in stays:
+                load[rid] += share / len(stays)
             continue
         if len(picks) < cfg.min_replicas:
             # the budget counts slots, but the ones left may be on too few replicas (two
