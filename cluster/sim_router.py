@@ -22,7 +22,6 @@ from deployments.placement import PlacementConfig, PlacementPlanner
 from deployments.router_memory import InFlight, RecentRoutes
 from deployments.routing_policy import (
     ReplicaView,
-    holders,
     power_of_two,
     rank_by_hash,
     rank_replicas,
@@ -85,10 +84,7 @@ class Router:
         if self.policy == "affinity":
             self.planner.record(req.adapter)  # the Serve router sees every request too
             views = self.inflight.apply(self.recent.apply(self._views(), req.arrival / 1000))
-            cold = not all(v.reads_shared for v in views)
-            home = self.planner.placement(self.replica_ids, lambda: holders(views), cold).get(
-                req.routing_key
-            )
+            home = self.planner.placement(self.replica_ids, lambda: views).get(req.routing_key)
             rank = tail_rank(len(reps), self.cfg.max_loras)
             ranked = rank_replicas(
                 req.routing_key,

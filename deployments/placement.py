@@ -32,7 +32,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from deployments.routing_policy import rendezvous_order
+from deployments.routing_policy import ReplicaView, holders, rendezvous_order
 
 DEFAULT_HALF_LIFE = 20_000  # requests: counts halve over this many routed requests
 # a replica's own counts for frequency eviction of its slots and CPU cache (LLMServer, the
@@ -307,22 +307,23 @@ class PlacementPlanner:
     def placement(
         self,
         replica_ids: Sequence[str],
-        holders: Callable[[], Mapping[str, Sequence[str]]] | None = None,
-        cold_moves: bool = False,
+        views: Callable[[], Sequence[ReplicaView]] | None = None,
     ) -> Placement:
         """The current placement; replanned when the replica set changes, at first_replan,
         2 x first_replan, 4 x ... recorded requests (a small fleet's hot adapter needs its
         homes before a thousand requests have passed), then every `replan_every` requests.
-        holders() -> adapter -> replicas holding it (called only to replan); cold_moves: as
-        for `plan_placement`."""
+        views() -> what the router sees of the replicas (called only to replan): who holds
+        which adapter, and whether a move is a cold read (`plan_placement`'s cold_moves:
+        some replica reads no shared tier)."""
         ids = tuple(sorted(replica_ids))
         n = self.popularity.num_recorded
         interval = min(self.replan_every, max(self.first_replan, self._planned_at))
         if ids != self._replica_ids or n - self._planned_at >= interval:
-            held = holders() if holders is not None else {}
+            seen = views() if views is not None else ()
+            cold = not all(v.reads_shared for v in seen)
             pop = self.popularity
             self._placement = plan_placement(
-                pop.shares(), ids, self.cfg, held, pop.counts, self._placement, cold_moves
+                pop.shares(), ids, self.cfg, holders(seen), pop.counts, self._placement, cold
             )
             self._replica_ids, self._planned_at = ids, n
         return self._placement

@@ -74,7 +74,6 @@ from deployments.routing_policy import (
     DEFAULT_LOAD_BOUND_C,
     DEFAULT_MIN_LOAD_BOUND,
     ReplicaView,
-    holders,
     prefix_routing_key,
     rank_replicas,
     tail_rank,
@@ -254,8 +253,7 @@ class AdapterAffinityRouter(RequestRouter):
                 return None
             self._planner = self._new_planner(max_loras)
         ids = [r.replica_id.unique_id for r in candidates]
-        cold = not all(v.reads_shared for v in views)
-        return self._planner.placement(ids, lambda: holders(views), cold).get(adapter_id)
+        return self._planner.placement(ids, lambda: views).get(adapter_id)
 
     def _batch_size(self, candidates: list[RunningReplica]) -> int | None:
         """The kwarg, else the smallest max_num_seqs the replicas report (None: none does)."""

@@ -4,6 +4,7 @@ brute-force properties."""
 
 import random
 from collections import Counter
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -84,7 +85,8 @@ def test_where_a_move_is_a_cold_read_an_adapter_with_k_1_is_homed_only_where_it_
     r0, stay there: r0 homes the 3 its placed slots take, none moves off it for balance (each
     move would be a read from disk), the rest are not placed. A hot adapter still gets its k
     homes, new ones included; one with k = 1 held nowhere gets no home (new_home deals it)
-    and takes no placed slot from a less requested one that can have one."""
+    and takes no placed slot from a less requested one that can have one. The planner reads
+    the gate off the replicas' views."""
     from deployments.placement import PlacementConfig, PlacementPlanner, plan_placement
 
     ids = ["r0", "r1", "r2", "r3"]
@@ -110,7 +112,11 @@ def test_where_a_move_is_a_cold_read_an_adapter_with_k_1_is_homed_only_where_it_
     planner = PlacementPlanner(cfg, first_replan=1)
     for a in ["a"] * 32 + ["b"] * 16 + [""] * 60:  # b: k = 1
         planner.record(a)
-    assert set(planner.placement(ids, lambda: {}, cold_moves=True)) == {"a"}
+    disk_only = [ReplicaView(r, 0.0, frozenset(), frozenset(), reads_shared=False) for r in ids]
+    assert set(planner.placement(ids, lambda: disk_only)) == {"a"}
+    tiered = [replace(v, reads_shared=True) for v in disk_only]
+    again = PlacementPlanner(cfg, popularity=planner.popularity)
+    assert set(again.placement(ids, lambda: tiered)) == {"a", "b"}
     assert set(PlacementPlanner(cfg, popularity=planner.popularity).placement(ids)) == {"a", "b"}
 
 
