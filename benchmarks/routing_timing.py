@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     with open(args.latencies) as f:
         record = json.load(f)
-    names = ("most requested", "next 4", "next 10", "the rest")
+    names = ["most requested", *(f"next {n}" for n in POPULARITY_GROUPS[1:]), "the rest"]
     for policy, rows in by_popularity(record).items():
         timings = [t for r in record["runs"] if r["policy"] == policy for t in r["timings"].values()]
         means = " ".join(
