@@ -155,7 +155,8 @@ def plan_placement(
     cold_moves: a replica that does not hold an adapter reads it from the cold tier (some
     replica reads no shared tier, `ReplicaView.reads_shared`), so an adapter with k = 1 is
     homed only on a holder with room: its home is for the balance of where the popular
-    adapters were dealt, not worth a cold read (a new home of a hot adapter still is)."""
+    adapters were dealt, not worth a cold read (a new home of a hot adapter still is); one
+    whose holders have none leaves its placed slot to the next adapter held where there is."""
     n = len(replica_ids)
     per_replica = cfg.placed_per_replica()
     if n == 0 or per_replica == 0:
@@ -164,14 +165,22 @@ def plan_placement(
     held = holders or {}
     budget = n * per_replica  # placed slots, most popular first
     chosen: list[tuple[str, float, int]] = []
+    # under cold_moves, the k = 1 adapters past the budget, held somewhere: they take the
+    # placed slots of chosen ones that find no holder with room (below), in rank order
+    later: list[tuple[str, float, int]] = []
     for share, adapter in ranked:
         k = replication_factor(share, n, cfg.headroom)
-        if k < cfg.min_replicas or k > budget or share < cfg.min_share:
+        if k < cfg.min_replicas or share < cfg.min_share:
             break
         if counts is not None and counts.get(adapter, 0.0) < cfg.min_count:
             break  # ranked by share: every later one has fewer
         if cold_moves and k == 1 and not held.get(adapter):
             continue  # it can have no home (below): its placed slot goes to the next one
+        if k > budget:
+            if not (cold_moves and k == 1):
+                break
+            later.append((adapter, share, k))
+            continue
         chosen.append((adapter, share, k))
         budget -= k
     placed = {a for a, _, _ in chosen}
@@ -196,7 +205,11 @@ def plan_placement(
     cap = cfg.balance_slack * sum(share for _, share, _ in chosen) / n
     num_placed = dict.fromkeys(replica_ids, 0)
     placement: dict[str, tuple[str, ...]] = {}
-    for adapter, share, k in chosen:
+    spare = 0  # placed slots left by chosen k = 1 adapters no holder had room for
+    for i, (adapter, share, k) in enumerate(chosen + later):
+        filler = i >= len(chosen)
+        if filler and spare == 0:
+            break
         each = share / k
         here = set(held.get(adapter, ()))
         order = rendezvous_order(adapter, replica_ids)
@@ -210,9 +223,11 @@ def plan_placement(
             rest = sorted((r for r in new if r not in picks), key=lambda r: load[r])
             picks += rest[: k - len(picks)]
         if not picks and cold_moves and k == 1:
-            stays = here & load.keys()  # not placed: it stays where it is held
-            for rid in stays:
-                load[rid] += share / len(stays)
+            if not filler:  # not placed: it stays where it is held
+                stays = here & load.keys()
+                for rid in stays:
+                    load[rid] += share / len(stays)
+                spare += 1
             continue
         if len(picks) < cfg.min_replicas:
             # the budget counts slots, but the ones left may be on too few replicas (two
@@ -221,7 +236,8 @@ def plan_placement(
         each = share / len(picks)  # fewer than k where the slots left are on fewer replicas
         for rid in picks:
             num_placed[rid] += 1
-            load[rid] += each
+            load[rid] += 0.0 if filler else each  # a filler's traffic is counted where held
+        spare -= filler
         placement[adapter] = tuple(
             [r for r in order if r in picks and r in here]
             + [r for r in order if r in picks and r not in here]

@@ -85,7 +85,8 @@ def test_where_a_move_is_a_cold_read_an_adapter_with_k_1_is_homed_only_where_it_
     r0, stay there: r0 homes the 3 its placed slots take, none moves off it for balance (each
     move would be a read from disk), the rest are not placed. A hot adapter still gets its k
     homes, new ones included; one with k = 1 held nowhere gets no home (new_home deals it)
-    and takes no placed slot from a less requested one that can have one. The planner reads
+    and takes no placed slot from a less requested one that can have one, nor does one whose
+    holders have no room. The planner reads
     the gate off the replicas' views."""
     from deployments.placement import PlacementConfig, PlacementPlanner, plan_placement
 
@@ -106,6 +107,13 @@ def test_where_a_move_is_a_cold_read_an_adapter_with_k_1_is_homed_only_where_it_
     last = rendezvous_order("a", ids)[3]
     tight = PlacementConfig(max_loras=2, headroom=1.5)
     assert plan_placement(shares, ids, tight, {"c": [last]}, cold_moves=True) == {
+        "a": a_homes,
+        "c": (last,),
+    }
+    # 'b' held where 'a' took the one placed slot: not placed, and its placed slot goes to
+    # 'c', past the budget, whose holder has room
+    held = {"b": [a_homes[0]], "c": [last]}
+    assert plan_placement(shares, ids, tight, held, cold_moves=True) == {
         "a": a_homes,
         "c": (last,),
     }
