@@ -262,7 +262,7 @@ COLD_LOAD_PRESETS: dict[str, float | None] = {"local-disk": None, "object-storag
 
 
 def add_config_args(ap: argparse.ArgumentParser) -> None:
-    """The SimConfig flags, shared with cluster/sim_sweep.py."""
+    """The SimConfig flags of `python -m cluster.sim` (service, cold tier, engine, bound)."""
     ap.add_argument("--cpu-loras", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--load-bound-c", type=float, default=DEFAULT_LOAD_BOUND_C)
@@ -291,6 +291,28 @@ def add_config_args(ap: argparse.ArgumentParser) -> None:
         help="how often replicas push residency (Ray: 100 ms, plus a controller loop); 0 = "
         "routers know it instantly",
     )
+
+
+def add_shared_tier_args(ap: argparse.ArgumentParser) -> None:
+    """--shared-tier-ms and --no-shared-tier (cluster/sim.py and cluster/sim_sweep.py)."""
+    ap.add_argument(
+        "--shared-tier-ms",
+        type=float,
+        default=SimConfig().shared_tier_ms,
+        help="raylora's shared adapter tier: a read of an adapter another replica already "
+        "read costs this (SimConfig.shared_tier_ms)",
+    )
+    ap.add_argument(
+        "--no-shared-tier",
+        action="store_true",
+        help="raylora's replicas read every adapter they lack from the cold tier (as the real "
+        "app's do: its KB adapters read from disk faster than from the shared tier)",
+    )
+
+
+def shared_tier_from_args(args: argparse.Namespace) -> float | None:
+    """SimConfig.shared_tier_ms from add_shared_tier_args' flags (None: no tier)."""
+    return None if args.no_shared_tier else args.shared_tier_ms
 
 
 def config_from_args(args: argparse.Namespace, **fields) -> SimConfig:
@@ -328,12 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--base-tenants", type=int, default=4)
     ap.add_argument("--prefix-cache-tokens", type=int, default=0, help="per replica; 0 = off")
     add_config_args(ap)
-    ap.add_argument(
-        "--no-shared-tier",
-        action="store_true",
-        help="raylora's replicas read every adapter they lack from the cold tier (as the real "
-        "app's do: its KB adapters read from disk faster than from the shared tier)",
-    )
+    add_shared_tier_args(ap)
     ap.add_argument("--policies", default=",".join(POLICIES))
     args = ap.parse_args(argv)
     cfg = config_from_args(
@@ -349,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
         system_prompt_tokens=args.system_prompt_tokens,
         num_base_tenants=args.base_tenants,
         prefix_cache_tokens=args.prefix_cache_tokens,
-        **({"shared_tier_ms": None} if args.no_shared_tier else {}),
+        shared_tier_ms=shared_tier_from_args(args),
     )
     policies = [p for p in args.policies.split(",") if p]
     print(
@@ -361,7 +378,11 @@ def main(argv: list[str] | None = None) -> None:
         + (f" (then {cfg.local_read_ms:.0f} ms from local disk)" if cfg.local_read_ms else "")
         + f", slot load {cfg.cpu_load_ms:.0f} ms"
         f" ({'stalls the step' if cfg.stall_loads else 'async'}), engines: {cfg.engine}, "
-        + (f"shared tier {cfg.shared_tier_ms:.0f} ms" if cfg.shared_tier_ms else "no shared tier")
+        + (
+            f"shared tier {cfg.shared_tier_ms:.0f} ms"
+            if cfg.shared_tier_ms is not None
+            else "no shared tier"
+        )
     )
     results = [simulate(p, cfg) for p in policies]
     print(format_table(results))

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, replace
 from multiprocessing import get_context
 
-from cluster.sim import SimResult, simulate
+from cluster.sim import SimResult, add_shared_tier_args, shared_tier_from_args, simulate
 from cluster.sim_config import SimConfig
 from cluster.sim_floors import cold_load_floor, first_touch_per_1k, slot_load_floor
 from cluster.sim_pooled import learned_pool_per_1k
@@ -265,18 +265,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--policies", default=",".join(SWEEP_POLICIES))
     ap.add_argument("--plot", default=None, help="save the Pareto plot (PNG) here")
     ap.add_argument("--quick", action="store_true", help="3 points, 1 seed, 1,500 requests")
-    ap.add_argument(
-        "--shared-tier-ms",
-        type=float,
-        default=SimConfig().shared_tier_ms,
-        help="raylora's shared adapter tier: a read of an adapter another replica already "
-        "read costs this (SimConfig.shared_tier_ms)",
-    )
-    ap.add_argument("--no-shared-tier", action="store_true", help="raylora without the tier")
+    add_shared_tier_args(ap)
     ap.add_argument("--max-moves", type=int, default=SimConfig().max_moves, help="placement moves")
     args = ap.parse_args(argv)
-    shared_ms = None if args.no_shared_tier else args.shared_tier_ms
-    base = SimConfig(num_requests=args.requests, shared_tier_ms=shared_ms, max_moves=args.max_moves)
+    base = SimConfig(
+        num_requests=args.requests,
+        shared_tier_ms=shared_tier_from_args(args),
+        max_moves=args.max_moves,
+    )
     seeds = tuple(int(s) for s in args.seeds.split(","))
     points = args.points
     if args.quick:
