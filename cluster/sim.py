@@ -386,11 +386,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     results = [simulate(p, cfg) for p in policies]
     print(format_table(results))
-    floor = slot_load_floor(cfg)
+    from cluster.sim_pooled import adapter_ranks  # it imports this module
+
+    floor = slot_load_floor(cfg, adapter_ranks(cfg))
     print(
         f"slot-load floor for any router: {floor:.1f} loads/1k (cluster/sim_floors.py: the "
-        "slots the tail's own loads keep busy, the rest to the most requested adapters; or "
-        "the first load of each adapter in the trace); loads / floor: "
+        "slots the tail's own loads keep busy, the rest to the most requested adapters; the "
+        "first load of each adapter in the trace; what must be reloaded while the shares "
+        "are learned); loads / floor: "
         + ", ".join(f"{r.policy} {r.slot_loads_per_1k / max(floor, 1e-9):.2f}x" for r in results)
     )
 

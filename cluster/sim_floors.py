@@ -11,7 +11,9 @@ only add to it).
 
 from __future__ import annotations
 
+import bisect
 import math
+from collections.abc import Sequence
 
 from cluster.sim_config import SimConfig
 
@@ -59,10 +61,70 @@ def steady_slot_floor_per_1k(cfg: SimConfig) -> float:
     return 1000 * misses / cfg.arrival_rate_per_ms()
 
 
-def slot_load_floor(cfg: SimConfig) -> float:
+def learner_slot_floor_per_1k(cfg: SimConfig, ranks: Sequence[int]) -> float:
+    """Fewest expected slot loads per 1k requests, over the trace whose adapter requests have
+    these popularity ranks (0 = most requested), for any system that is not told which
+    adapter has which share and must learn it from the requests.
+
+    Model: requests are independent draws of the law (`zipf_shares`), the shares dealt to
+    the adapter names in an order the system does not know; as in the steady-state floor, a
+    request that finds its adapter in no slot (nor being loaded into one) costs a load of its
+    own (no request is held back to share a later one's load). The fleet's slots hold at
+    most n S adapters at once. Given the history, which adapter holds which share has the
+    posterior P(order) ~ prod_a p_order(a) ^ n_a: it depends on the counts n_a alone, an
+    adapter asked for more often has the larger posterior mean share (pair each order with
+    the one that swaps two adapters' shares), and equal counts give equal means. So the
+    chance that request m finds its adapter in a slot is at most the posterior share of the
+    n S adapters asked for most so far, and the loads are at least:
+      every adapter's first load (distinct adapters in the trace)
+      + sum over requests m of the posterior share of the adapters already asked for that
+        are not among the n S asked for most (ties: the tied group's mean),
+    each such miss being a reload (the adapter was loaded for its earlier request). The
+    posterior shares are summed as the true shares of the same adapters, which has the same
+    expectation. LFU on one pool of all the slots (cluster/sim_pooled.py) keeps nearly the
+    adapters asked for most and lands on this floor; a rule told the shares (`oracle` there)
+    can make fewer."""
+    if not ranks:
+        return 0.0
+    shares = zipf_shares(cfg)
+    room = cfg.num_replicas * cfg.max_loras
+    count: dict[int, int] = {}  # rank -> requests so far
+    group_n: dict[int, int] = {}  # requests so far -> adapters with that many
+    group_mass: dict[int, float] = {}  # requests so far -> their summed shares
+    levels: list[int] = []  # the counts some adapter has, ascending
+    missed = 0.0
+
+    def move(c: int, rank: int, sign: int) -> None:
+        if sign > 0 and not group_n.get(c):
+            bisect.insort(levels, c)
+        group_n[c] = group_n.get(c, 0) + sign
+        group_mass[c] = group_mass.get(c, 0.0) + sign * shares[rank]
+        if not group_n[c]:
+            levels.pop(bisect.bisect_left(levels, c))
+
+    for rank in ranks:
+        over = len(count) - room  # adapters asked for that cannot all be in a slot
+        for c in levels:  # the least asked for first
+            if over <= 0:
+                break
+            take = min(over, group_n[c])
+            missed += group_mass[c] * take / group_n[c]
+            over -= take
+        c = count.get(rank, 0)
+        if c:
+            move(c, rank, -1)
+        move(c + 1, rank, +1)
+        count[rank] = c + 1
+    return 1000 * (len(count) + missed) / cfg.num_requests
+
+
+def slot_load_floor(cfg: SimConfig, ranks: Sequence[int] | None = None) -> float:
     """Fewest slot loads per 1k requests for any router and eviction: the larger of the
-    steady-state bound and the first loads of the adapters in the trace."""
-    return max(steady_slot_floor_per_1k(cfg), first_touch_per_1k(cfg))
+    steady-state bound and the first loads of the adapters in the trace; with the trace's
+    adapter ranks, also the floor for a system that must learn the shares
+    (`learner_slot_floor_per_1k`)."""
+    law = max(steady_slot_floor_per_1k(cfg), first_touch_per_1k(cfg))
+    return law if ranks is None else max(law, learner_slot_floor_per_1k(cfg, ranks))
 
 
 def cold_load_floor(cfg: SimConfig, max_over_mean: float | None = None) -> float:

@@ -15,9 +15,9 @@ Ray Serve LLM user runs (`ray_multiplex`: Ray's router on vLLM's engine, the pee
 loads <= 0.9x, cold loads <= 1.0x, p99 TTFT <= 0.8x, affinity's served max/mean <= 1.3, every
 request completed. A run where every policy is overloaded (p50 TTFT over 10x the unloaded
 time to first token) is reported, not judged. A missed target that no system can meet at
-that run is marked `*` (`infeasible`, from cluster/sim_floors.py's bounds); a missed slot
-target is marked `+` where every learning eviction rule on one pool of all the fleet's slots
-is over it too (`pool`, cluster/sim_pooled.py: evidence, not a proof). The router-only
+that run is marked `*` (`infeasible`, from cluster/sim_floors.py's bounds: the slot floor
+of a run counts the floor of a system that must learn the adapters' shares from the run's
+own trace, `learn`). The router-only
 comparisons (both on raylora's engine, both on vLLM's) are printed as ranges, not judged.
 One parameter set for the whole sweep: the SimConfig and router defaults.
 
@@ -36,8 +36,13 @@ from multiprocessing import get_context
 
 from cluster.sim import SimResult, add_shared_tier_args, shared_tier_from_args, simulate
 from cluster.sim_config import SimConfig
-from cluster.sim_floors import cold_load_floor, first_touch_per_1k, slot_load_floor
-from cluster.sim_pooled import learned_pool_per_1k
+from cluster.sim_floors import (
+    cold_load_floor,
+    first_touch_per_1k,
+    learner_slot_floor_per_1k,
+    slot_load_floor,
+)
+from cluster.sim_pooled import adapter_ranks
 
 SWEEP_POLICIES = ("affinity", "ray_multiplex", "ray_multiplex@raylora", "affinity@vllm", "p2c")
 PEER = "ray_multiplex"
@@ -85,9 +90,9 @@ class Run:
     seed: int
     cfg: SimConfig
     results: dict[str, SimResult]
-    floor: float  # slot_load_floor
+    floor: float  # slot_load_floor on the run's trace (the larger of the law's and `learn`)
     cold_floor: float  # cold_load_floor
-    pool: float  # learned_pool_per_1k: one pooled cache's loads under the best learning rule
+    learn: float  # learner_slot_floor_per_1k: the floor of a system that learns the shares
 
     def overloaded(self) -> bool:
         limit = OVERLOAD_P50 * self.cfg.unloaded_service_ms()
@@ -104,7 +109,8 @@ class Run:
 
     def infeasible(self) -> set[str]:
         """Targets no system can meet at this run (cluster/sim_floors.py):
-        slot: the slot-load floor is over 0.9x the peer's slot loads;
+        slot: the slot-load floor is over 0.9x the peer's slot loads (with the floor of a
+          system that must learn the shares: no system is told them);
         cold: every adapter read once, plus the replicas a served max/mean of 1.3 forces on
           the hottest, is over the peer's cold loads;
         p99: over 1% of requests are the first of their adapter (each waits for its cold
@@ -121,12 +127,6 @@ class Run:
             out.add("p99")
         return out
 
-    def learned_over(self) -> bool:
-        """Every learning eviction rule on one pool of all the slots makes more loads than
-        0.9x the peer's (cluster/sim_pooled.py): evidence that the slot target needs a rule
-        that learns the shares better, not a proof that none can."""
-        return self.pool > TARGETS["slot"] * self.results[PEER].slot_loads_per_1k
-
     def misses(self) -> list[str]:
         out = [k for k, v in self.ratios().items() if v > TARGETS[k]]
         if any(r.num_completed != self.cfg.num_requests for r in self.results.values()):
@@ -137,7 +137,9 @@ class Run:
 def _run_one(job: tuple[int, int, SimConfig, tuple[str, ...]]) -> Run:
     point, seed, cfg, policies = job
     results = {p: simulate(p, cfg) for p in policies}
-    floors = slot_load_floor(cfg), cold_load_floor(cfg), learned_pool_per_1k(cfg)
+    ranks = adapter_ranks(cfg)
+    learn = learner_slot_floor_per_1k(cfg, ranks)
+    floors = slot_load_floor(cfg, ranks), cold_load_floor(cfg), learn
     return Run(point, seed, cfg, results, *floors)
 
 
@@ -171,19 +173,16 @@ def _vs_floor(loads: float, floor: float) -> str:
 
 
 def _mark(run: Run, miss: str) -> str:
-    """A missed target, `*` where no system can meet it, `+` (slot loads) where every
-    learning eviction rule on one pool of all the slots is over it too."""
-    if miss in run.infeasible():
-        return miss + "*"
-    return miss + ("+" if miss == "slot" and run.learned_over() else "")
+    """A missed target, `*` where no system can meet it."""
+    return miss + ("*" if miss in run.infeasible() else "")
 
 
 def format_runs(runs: list[Run]) -> str:
     head = (
         f"{'pt':>3}{'seed':>5}{'zipf':>6}{'n':>4}{'slots':>6}{'adapters':>9}{'base':>6}"
-        f"{'util':>6}  {'floor':>6}{'aff':>7}{'mux':>7}{'aff/fl':>7}{'mux/fl':>7}{'pool':>7}  "
+        f"{'util':>6}  {'floor':>6}{'aff':>7}{'mux':>7}{'aff/fl':>7}{'mux/fl':>7}{'learn':>7}  "
         f"{'cfloor':>6}{'aff':>6}{'mux':>6}  {'slot':>6}{'cold':>6}{'p99':>6}{'max/mean':>9}"
-        f"{'mux m/m':>8}  verdict (* = no system can meet it here; + = over on the pool)"
+        f"{'mux m/m':>8}  verdict (* = no system can meet it here)"
     )
     rows = [head, "-" * len(head)]
     for run in runs:
@@ -200,7 +199,7 @@ def format_runs(runs: list[Run]) -> str:
             f"{c.num_adapters:>9}{c.base_fraction:>6.0%}{c.utilization:>6.0%}  {run.floor:>6.1f}"
             f"{a.slot_loads_per_1k:>7.1f}{p.slot_loads_per_1k:>7.1f}"
             f"{_vs_floor(a.slot_loads_per_1k, run.floor)}{_vs_floor(p.slot_loads_per_1k, run.floor)}"
-            f"{run.pool:>7.1f}"
+            f"{run.learn:>7.1f}"
             f"  {run.cold_floor:>6.1f}{a.cold_loads_per_1k:>6.1f}{p.cold_loads_per_1k:>6.1f}  "
             f"{r['slot']:>6.2f}{r['cold']:>6.2f}{r['p99']:>6.2f}{r['max_mean']:>9.2f}"
             f"{p.served_max_over_mean:>8.2f}  {verdict}"
@@ -228,9 +227,6 @@ def summary(runs: list[Run]) -> str:
         ),
         "ratios to the peer over the judged runs: "
         + ", ".join(f"{k} {_range([r.ratios()[k] for r in judged])}" for k in TARGETS),
-        f"slot misses where every learning eviction rule on one pool of all the slots is over "
-        f"the target too (+, cluster/sim_pooled.py): "
-        f"{sum(1 for r in judged if 'slot' in r.misses() and _mark(r, 'slot') == 'slot+')}",
         f"overloaded (not judged): {over or 'none'}",
     ]
     cold = [r for r in judged if "cold" in r.misses()]
@@ -289,7 +285,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{len(jobs)} runs ({points} design points + the default, seeds {list(seeds)}), "
         f"{base.num_requests} requests each, policies {list(policies)}; ratios are affinity / "
         f"{PEER} (targets: slot {TARGETS['slot']}, cold {TARGETS['cold']}, p99 {TARGETS['p99']}"
-        f", max/mean {TARGETS['max_mean']}); floor / cfloor = slot / cold load floors (per 1k)"
+        f", max/mean {TARGETS['max_mean']}); floor / cfloor = slot / cold load floors (per 1k; "
+        "learn: the slot floor of a system that learns the shares, part of floor)"
     )
     print(
         f"raylora's shared adapter tier: {base.shared_tier_ms} ms a read (None: off); "
