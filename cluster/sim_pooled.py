@@ -149,7 +149,7 @@ def adapter_ranks(cfg: SimConfig) -> list[int]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--point", type=int, required=True, help="a point of the sweep's design")
-    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--seeds", default="0,1", help="workload seeds: 0,1 or a range, 0-23")
     ap.add_argument("--requests", type=int, default=20_000)
     ap.add_argument(
         "--per-replica",
@@ -162,7 +162,11 @@ def main(argv: list[str] | None = None) -> None:
     # sim_sweep imports this module
     from cluster.sim_sweep import DESIGN_POINTS, DESIGN_SEED, PEER, TARGETS, sweep_configs
 
-    seeds = tuple(int(s) for s in args.seeds.split(","))
+    seeds = tuple(
+        seed
+        for part in args.seeds.split(",")
+        for seed in range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1)
+    )
     base = SimConfig(num_requests=args.requests)
     for point, seed, cfg in sweep_configs(base, DESIGN_POINTS, DESIGN_SEED, seeds):
         if point != args.point:
