@@ -50,6 +50,17 @@ def test_no_policy_beats_the_slot_load_floor():
     assert floor > 100
     for policy in POLICIES:
         assert simulate(policy, cfg).slot_loads_per_1k >= 0.95 * floor, policy
+    # the learner's floor on the trace (32 slots, 100 adapters, the tail asked for once or
+    # twice) is over the law's, and no policy beats it either
+    from cluster.sim_pooled import adapter_ranks
+
+    roomy = SimConfig(
+        num_replicas=4, max_loras=8, num_adapters=100, zipf_s=1.3, num_requests=600, utilization=0.4
+    )
+    learned = slot_load_floor(roomy, adapter_ranks(roomy))
+    assert learned > 1.2 * slot_load_floor(roomy)
+    for policy in POLICIES:
+        assert simulate(policy, roomy).slot_loads_per_1k >= 0.95 * learned, policy
     # all 16 fit in the 16 slots: only each adapter's first load (all 16 are in the trace)
     fits = replace(cfg, num_adapters=16)
     assert steady_slot_floor_per_1k(fits) < 1e-9
