@@ -1,5 +1,6 @@
-"""Lower bounds no router can beat, from the workload's law alone (not from the simulator):
-what cluster/sim_sweep.py uses to tell a target that a router missed from one no router can
+"""Lower bounds no router can beat, from the workload's law alone (and, for the learner's
+floor, the run's own trace of it), not from the simulator's routing or engines: what
+cluster/sim_sweep.py uses to tell a target that a router missed from one no router can
 meet. All per 1,000 requests of a run of `cfg.num_requests` requests.
 
 Notation: n replicas, S = max_loras slots each, C = max_cpu_loras; adapter a gets a share
