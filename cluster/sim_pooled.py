@@ -21,8 +21,8 @@ load could do better). The rules:
 The gap between `oracle` and the learning rules is what not knowing the shares costs, and
 no rule that learns them can close it: LFU on the pool lands on the floor of any system that
 must learn the shares (cluster/sim_floors.py `learner_slot_floor_per_1k`, on the ranks
-`adapter_ranks` gives; within 0.2 loads/1k of it on average over 30 traces at sweep points
-9, 18 and 20), and the sweep counts that floor in each run's slot floor.
+`adapter_ranks` gives; its mean -0.00 +- 0.03 loads/1k from it over 200 traces of sweep
+point 18), and the sweep counts that floor in each run's slot floor.
 
 `--per-replica` replays, after a run of a policy, each replica's adapters in the order its
 engine admitted them through that replica's own max_loras slots, by every rule, with no
