@@ -160,13 +160,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = ap.parse_args(argv)
     # sim_sweep imports this module
-    from cluster.sim_sweep import DESIGN_POINTS, DESIGN_SEED, PEER, TARGETS, sweep_configs
-
-    seeds = tuple(
-        seed
-        for part in args.seeds.split(",")
-        for seed in range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1)
+    from cluster.sim_sweep import (
+        DESIGN_POINTS,
+        DESIGN_SEED,
+        PEER,
+        TARGETS,
+        parse_seeds,
+        sweep_configs,
     )
+
+    seeds = parse_seeds(args.seeds)
     base = SimConfig(num_requests=args.requests)
     for point, seed, cfg in sweep_configs(base, DESIGN_POINTS, DESIGN_SEED, seeds):
         if point != args.point:

@@ -143,6 +143,15 @@ def _run_one(job: tuple[int, int, SimConfig, tuple[str, ...]]) -> Run:
     return Run(point, seed, cfg, results, *floors)
 
 
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """Workload seeds from "0,1", "0-11" or "0-3,7"."""
+    return tuple(
+        seed
+        for part in text.split(",")
+        for seed in range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1)
+    )
+
+
 def sweep_configs(
     base: SimConfig, num_points: int, design_seed: int, seeds: tuple[int, ...]
 ) -> list[tuple[int, int, SimConfig]]:
@@ -255,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--points", type=int, default=DESIGN_POINTS)
     ap.add_argument("--design-seed", type=int, default=DESIGN_SEED)
-    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--seeds", default="0,1", help="workload seeds: 0,1 or a range, 0-11")
     ap.add_argument("--requests", type=int, default=20_000)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--policies", default=",".join(SWEEP_POLICIES))
@@ -269,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
         shared_tier_ms=shared_tier_from_args(args),
         max_moves=args.max_moves,
     )
-    seeds = tuple(int(s) for s in args.seeds.split(","))
+    seeds = parse_seeds(args.seeds)
     points = args.points
     if args.quick:
         base = replace(base, num_requests=1500, prompt_tokens=64, output_tokens=16)

@@ -246,9 +246,10 @@ def test_remote_cold_tier_by_hand():
 
 @pytest.mark.timeout(120)
 def test_sweep_quick(capsys):
-    from cluster.sim_sweep import design
+    from cluster.sim_sweep import design, parse_seeds
     from cluster.sim_sweep import main as sweep_main
 
+    assert parse_seeds("0,1") == (0, 1) and parse_seeds("0-3,7") == (0, 1, 2, 3, 7)
     pts = design(5, seed=15)  # every range end is in the design
     for name, lo, hi in (
         ("zipf_s", 0.8, 1.4),
