@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 
 from cluster.sim_config import ENGINES, Request, SimConfig, engine_config
-from cluster.sim_floors import slot_load_floor
+from cluster.sim_floors import learner_slot_floor_per_1k, slot_load_floor
 from cluster.sim_replica import Replica
 from cluster.sim_router import POLICIES, Router
 from deployments.placement import AdapterPopularity
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(results))
     from cluster.sim_pooled import adapter_ranks  # it imports this module
 
-    floor = slot_load_floor(cfg, adapter_ranks(cfg))
+    floor = slot_load_floor(cfg, learner_slot_floor_per_1k(cfg, adapter_ranks(cfg)))
     print(
         f"slot-load floor for any router: {floor:.1f} loads/1k (cluster/sim_floors.py: the "
         "slots the tail's own loads keep busy, the rest to the most requested adapters; the "

@@ -119,13 +119,13 @@ def learner_slot_floor_per_1k(cfg: SimConfig, ranks: Sequence[int]) -> float:
     return 1000 * (len(count) + missed) / cfg.num_requests
 
 
-def slot_load_floor(cfg: SimConfig, ranks: Sequence[int] | None = None) -> float:
+def slot_load_floor(cfg: SimConfig, learner: float | None = None) -> float:
     """Fewest slot loads per 1k requests for any router and eviction: the larger of the
-    steady-state bound and the first loads of the adapters in the trace; with the trace's
-    adapter ranks, also the floor for a system that must learn the shares
-    (`learner_slot_floor_per_1k`)."""
+    steady-state bound and the first loads of the adapters in the trace; with `learner`
+    (`learner_slot_floor_per_1k` on the run's trace, computed once by the caller, which
+    also prints it), also the floor for a system that must learn the shares."""
     law = max(steady_slot_floor_per_1k(cfg), first_touch_per_1k(cfg))
-    return law if ranks is None else max(law, learner_slot_floor_per_1k(cfg, ranks))
+    return law if learner is None else max(law, learner)
 
 
 def cold_load_floor(cfg: SimConfig, max_over_mean: float | None = None) -> float:

@@ -139,11 +139,12 @@ def adapter_trace(cfg: SimConfig) -> list[str]:
     return [r.adapter for r in _workload(cfg) if r.adapter]
 
 
-def adapter_ranks(cfg: SimConfig) -> list[int]:
+def adapter_ranks(cfg: SimConfig, seq: Sequence[str] | None = None) -> list[int]:
     """The popularity ranks (0 = most requested) of the trace's adapter requests, in arrival
-    order: what cluster/sim_floors.py's `slot_load_floor` takes for the learner's floor."""
+    order: what cluster/sim_floors.py's `learner_slot_floor_per_1k` takes (`seq`: that
+    trace's adapters, if the caller made them already)."""
     rank = {_adapter_name(k): k for k in range(cfg.num_adapters)}
-    return [rank[a] for a in adapter_trace(cfg)]
+    return [rank[a] for a in (adapter_trace(cfg) if seq is None else seq)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{cfg.num_adapters} adapters, zipf {cfg.zipf_s:.2f}): slot loads per 1k, "
             f"affinity {ours:.1f}, {PEER} {peer:.1f}, target {TARGETS['slot'] * peer:.1f}; "
             f"one pool of {cfg.num_replicas * cfg.max_loras} slots: {pooled}; the floor of a "
-            f"system that learns the shares {learner_slot_floor_per_1k(cfg, adapter_ranks(cfg)):.1f}"
+            f"system that learns the shares {learner_slot_floor_per_1k(cfg, adapter_ranks(cfg, seq)):.1f}"
         )
         for policy, (run, replayed) in replays.items():
             offline = "  ".join(f"{r} {n * per_1k:.1f}" for r, n in replayed.items())

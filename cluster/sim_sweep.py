@@ -139,7 +139,7 @@ def _run_one(job: tuple[int, int, SimConfig, tuple[str, ...]]) -> Run:
     results = {p: simulate(p, cfg) for p in policies}
     ranks = adapter_ranks(cfg)
     learn = learner_slot_floor_per_1k(cfg, ranks)
-    floors = slot_load_floor(cfg, ranks), cold_load_floor(cfg), learn
+    floors = slot_load_floor(cfg, learn), cold_load_floor(cfg), learn
     return Run(point, seed, cfg, results, *floors)
 
 

@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 
 from cluster.sim import POLICIES, SimConfig, format_table, main, simulate, slot_load_floor
-from cluster.sim_floors import cold_load_floor, steady_slot_floor_per_1k
+from cluster.sim_floors import cold_load_floor, learner_slot_floor_per_1k, steady_slot_floor_per_1k
 
 SMALL = SimConfig(
     num_replicas=4,
@@ -57,7 +57,7 @@ def test_no_policy_beats_the_slot_load_floor():
     roomy = SimConfig(
         num_replicas=4, max_loras=8, num_adapters=100, zipf_s=1.3, num_requests=600, utilization=0.4
     )
-    learned = slot_load_floor(roomy, adapter_ranks(roomy))
+    learned = slot_load_floor(roomy, learner_slot_floor_per_1k(roomy, adapter_ranks(roomy)))
     assert learned > 1.2 * slot_load_floor(roomy)
     for policy in POLICIES:
         assert simulate(policy, roomy).slot_loads_per_1k >= 0.95 * learned, policy
