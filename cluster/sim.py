@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from cluster.sim_config import ENGINES, Request, SimConfig, engine_config
 from cluster.sim_floors import learner_slot_floor_per_1k, slot_load_floor
-from cluster.sim_replica import Replica
+from cluster.sim_replica import NextRequest, Replica
 from cluster.sim_router import POLICIES, Router
 from deployments.placement import AdapterPopularity
 from deployments.routing_policy import DEFAULT_LOAD_BOUND_C, ReplicaView
@@ -122,8 +122,9 @@ def simulate(
     # the replicas only with popularity eviction
     fleet = AdapterPopularity()
     shared: dict[str, float] = {}  # raylora's shared adapter tier: adapter -> in it from (ms)
+    future = NextRequest(_workload(cfg)) if cfg.eviction == "clairvoyant" else None
     replicas = [
-        Replica(f"replica-{i:03d}", cfg, check, top, fleet.count, shared)
+        Replica(f"replica-{i:03d}", cfg, check, top, fleet.count, shared, future)
         for i in range(cfg.num_replicas)
     ]
     if record_admissions:
@@ -281,7 +282,8 @@ def add_config_args(ap: argparse.ArgumentParser) -> None:
         default="system",
         help="system: each router on its own system's engine (raylora's routers on raylora's, "
         "Ray's on vLLM's, as Ray Serve LLM runs them); raylora / vllm: every policy on that "
-        "one (a policy named router@engine picks its own)",
+        "one (a policy named router@engine picks its own); clairvoyant: raylora's evicting "
+        "by the trace's future, a reference no engine can be",
     )
     ap.add_argument("--no-stall", action="store_true", help="slot loads do not stall the step")
     ap.add_argument(

@@ -9,11 +9,13 @@ from dataclasses import dataclass, replace
 from deployments.placement import DEFAULT_MAX_MOVES
 from deployments.routing_policy import DEFAULT_LOAD_BOUND_C, DEFAULT_MIN_LOAD_BOUND
 
-EVICTIONS = ("lru", "frequency", "popularity")
+EVICTIONS = ("lru", "frequency", "popularity", "clairvoyant")
 # engine -> its SimConfig fields (see the module docstring)
 ENGINES: dict[str, dict] = {
     "raylora": {"eviction": "frequency", "async_disk_loads": True},
     "vllm": {"eviction": "lru", "async_disk_loads": False},
+    # a reference no engine can be: raylora's, evicting by the trace's future (Belady's rule)
+    "clairvoyant": {"eviction": "clairvoyant", "async_disk_loads": True},
 }
 # router -> the engine of its system: raylora's routers on raylora's engine; Ray's routers on
 # vLLM's, as Ray Serve LLM runs them (any router not named here: vLLM)
@@ -52,7 +54,8 @@ class SimConfig:
     # ENGINES = that one for every policy, "config" = the eviction/async fields as set here
     engine: str = "system"
     # "lru": vLLM; "frequency": raylora (the idle adapter with the fewest decayed requests at
-    # this replica); "popularity": the fewest fleet-wide requests (simulated only)
+    # this replica); "popularity": the fewest fleet-wide requests; "clairvoyant": the one
+    # whose next request in the trace comes last (both simulated only)
     eviction: str = "frequency"
     starvation_ms: float = 500.0
     # How routers learn residency. Ray: a replica pushes its multiplexed ids when they change,

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import statistics
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -159,6 +160,12 @@ def main(argv: list[str] | None = None) -> None:
         help="also replay, for each of these policies (comma-separated, e.g. "
         "affinity,ray_multiplex@raylora), each replica's admitted sequence offline",
     )
+    ap.add_argument(
+        "--policies",
+        default="",
+        help="also run these policies (e.g. affinity@clairvoyant: raylora's engine evicting by "
+        "the trace's future) and print their loads against the peer's",
+    )
     args = ap.parse_args(argv)
     # sim_sweep imports this module
     from cluster.sim_sweep import (
@@ -172,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
 
     seeds = parse_seeds(args.seeds)
     base = SimConfig(num_requests=args.requests)
+    extra = [p for p in args.policies.split(",") if p]
+    ratios: dict[str, list[float]] = {p: [] for p in ["affinity", *extra]}
     for point, seed, cfg in sweep_configs(base, DESIGN_POINTS, DESIGN_SEED, seeds):
         if point != args.point:
             continue
@@ -180,6 +189,9 @@ def main(argv: list[str] | None = None) -> None:
         runs = {p: run for p, (run, _) in replays.items()}  # a replayed run is not rerun
         peer = (runs.get(PEER) or simulate(PEER, cfg)).slot_loads_per_1k
         ours = (runs.get("affinity") or simulate("affinity", cfg)).slot_loads_per_1k
+        others = {p: simulate(p, cfg).slot_loads_per_1k for p in extra}
+        for p, loads in (("affinity", ours), *others.items()):
+            ratios[p].append(loads / peer)
         seq = adapter_trace(cfg)
         pooled = "  ".join(f"{r} {pooled_loads(cfg, r, seq) * per_1k:.1f}" for r in RULES)
         print(
@@ -188,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
             f"affinity {ours:.1f}, {PEER} {peer:.1f}, target {TARGETS['slot'] * peer:.1f}; "
             f"one pool of {cfg.num_replicas * cfg.max_loras} slots: {pooled}; the floor of a "
             f"system that learns the shares {learner_slot_floor_per_1k(cfg, adapter_ranks(cfg, seq)):.1f}"
+            + "".join(f"; {p} {loads:.1f}" for p, loads in others.items())
         )
         for policy, (run, replayed) in replays.items():
             offline = "  ".join(f"{r} {n * per_1k:.1f}" for r, n in replayed.items())
@@ -196,6 +209,15 @@ def main(argv: list[str] | None = None) -> None:
                 f"offline with {cfg.max_loras} slots, none busy: {offline}; "
                 f"{run.forced_eviction_share:.0%} of its engine's evictions could not take "
                 "the adapter its rule ranks last (running)"
+            )
+    if len(seeds) > 1 and ratios["affinity"]:
+        print(f"over {len(ratios['affinity'])} seeds, slot loads / {PEER}'s:")
+        for p, rs in ratios.items():
+            se = statistics.stdev(rs) / len(rs) ** 0.5
+            met = sum(r <= TARGETS["slot"] for r in rs)
+            print(
+                f"  {p}: mean {statistics.mean(rs):.3f} (standard error {se:.3f}), "
+                f"{min(rs):.3f}-{max(rs):.3f}, met on {met} of {len(rs)}"
             )
 
 

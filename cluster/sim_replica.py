@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import bisect
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from cluster.sim_config import Request, SimConfig
@@ -39,6 +39,24 @@ from deployments.placement import EVICTION_HALF_LIFE, AdapterPopularity
 from deployments.routing_policy import ReplicaView
 
 Popularity = Callable[[str], float]  # adapter -> fleet-wide request count (for eviction)
+
+
+class NextRequest:
+    """When each adapter is next asked for, from the whole trace: what clairvoyant eviction
+    (Belady's rule, `eviction="clairvoyant"`) ranks by. No engine knows this; the simulator
+    uses it as a reference for how much any eviction could gain."""
+
+    def __init__(self, trace: Iterable[Request]) -> None:
+        self.arrivals: dict[str, list[float]] = {}
+        for req in trace:  # in arrival order
+            if req.adapter:
+                self.arrivals.setdefault(req.adapter, []).append(req.arrival)
+
+    def after(self, adapter: str, now: float) -> float:
+        """The arrival time of `adapter`'s first request after `now` (inf: none)."""
+        times = self.arrivals.get(adapter, ())
+        i = bisect.bisect_right(times, now)
+        return times[i] if i < len(times) else float("inf")
 
 
 class Replica:
@@ -52,8 +70,13 @@ class Replica:
         top: frozenset[str] = frozenset(),
         popularity: Popularity | None = None,
         shared: dict[str, float] | None = None,
+        next_request: NextRequest | None = None,
     ) -> None:
-        """shared: the fleet's shared tier (cfg.shared_tier_ms), one dict for all replicas."""
+        """shared: the fleet's shared tier (cfg.shared_tier_ms), one dict for all replicas;
+        next_request: the trace's future (clairvoyant eviction only)."""
+        if cfg.eviction == "clairvoyant" and next_request is None:
+            raise ValueError("clairvoyant eviction needs the trace's future (next_request)")
+        self.next_request = next_request
         self.replica_id = replica_id
         self.shared = shared if shared is not None else {}
         self.top = top  # the fleet's num_replicas * max_loras most popular adapters
@@ -106,7 +129,10 @@ class Replica:
                 f"prefix:{t}" for t in self.prefix_cache if t.startswith("base-")
             )
             self._view = ReplicaView(
-                self.replica_id, self.load, frozenset(self.slots), held,
+                self.replica_id,
+                self.load,
+                frozenset(self.slots),
+                held,
                 reads_shared=self.cfg.async_disk_loads and self.cfg.shared_tier_ms is not None,
             )
         return self._view
@@ -138,7 +164,7 @@ class Replica:
                 ready = max(now, self.cpu[a])
             else:
                 ready = self._read(a, now)
-                self._cpu_insert(a, ready)
+                self._cpu_insert(a, ready, now)
         elif a and self.cfg.local_read_ms is not None and a not in self.cpu:
             # Ray Serve LLM: the multiplex loader fetches to local disk before vLLM sees it
             ready = self.on_disk.get(a)
@@ -166,15 +192,22 @@ class Replica:
             self.on_disk[adapter] = now + cfg.disk_load_ms
         return now + cfg.disk_load_ms
 
-    def _cpu_insert(self, adapter: str, ready: float) -> None:
+    def _cpu_insert(self, adapter: str, ready: float, now: float) -> None:
         self.cpu[adapter] = ready
         if len(self.cpu) > self.cfg.max_cpu_loras:
             idle = [a for a in self.cpu if a not in self.slots and a != adapter]
             if idle:
-                del self.cpu[self._victim(idle)]
+                del self.cpu[self._victim(idle, now)]
 
-    def _victim(self, candidates: list[str]) -> str:
-        """LRU first in `candidates`; with popularity eviction, the least requested of them."""
+    def _victim(self, candidates: list[str], now: float) -> str:
+        """LRU first in `candidates`; with popularity eviction, the least requested of them;
+        clairvoyant, the one asked for next the latest after `now` (from the whole trace,
+        wherever those requests are routed: a reference, not an optimum)."""
+        future = self.next_request
+        if future is not None:  # requests waiting here are asked for now
+            return max(
+                candidates, key=lambda a: -1.0 if self.queues.get(a) else future.after(a, now)
+            )
         if self.cfg.eviction == "popularity":
             return min(candidates, key=self.popularity)  # min keeps the LRU among ties
         if self.cfg.eviction == "frequency":
@@ -191,16 +224,16 @@ class Replica:
         cfg = self.cfg
         if len(self.slots) >= cfg.max_loras:
             idle = [a for a in self.slots if self.running_by_adapter.get(a, 0) == 0]
-            victim = self._victim(idle)
+            victim = self._victim(idle, now)
             self.evictions += 1
-            self.forced_evictions += victim != self._victim(list(self.slots))
+            self.forced_evictions += victim != self._victim(list(self.slots), now)
             del self.slots[victim]
         cost = cfg.cpu_load_ms
         if adapter in self.cpu and self.cpu[adapter] <= now:
             self.cpu.move_to_end(adapter)
         else:  # never read (vLLM: read in the step) or dropped since: read in the step
             cost += self._read(adapter, now) - now
-            self._cpu_insert(adapter, now)
+            self._cpu_insert(adapter, now, now)
         self.slot_loads += 1
         self.top_slot_loads += adapter in self.top
         if self.check:

@@ -2,6 +2,7 @@
 slot floor of a system that must learn the shares (cluster/sim_floors.py) against them."""
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from functools import cache
 
 import pytest
@@ -31,7 +32,7 @@ def fewest_loads(seq: str, slots: int) -> int:
     return go(0, frozenset())
 
 
-def lru_loads(seq: str, slots: int) -> int:
+def lru_loads(seq: Sequence[str], slots: int) -> int:
     held: OrderedDict[str, None] = OrderedDict()
     loads = 0
     for a in seq:
@@ -226,3 +227,74 @@ def test_replica_replay_bounds_the_engine():
     pairs = sum(len(set(seq)) for seq in result.admitted)
     assert set(loads.values()) == {pairs} and result.forced_eviction_share == 0
     assert simulate("affinity", cfg).admitted == [[], [], []]  # recorded only when asked
+
+
+@pytest.mark.timeout(60)
+def test_clairvoyant_eviction_is_belady_on_one_replica():
+    """One replica, requests that take no time (never two at once): the engine's admitted
+    sequence is the trace, no slot is busy at an eviction, and evicting by the trace's future
+    makes exactly Belady's loads; the replica's own frequency eviction makes at least that."""
+    from cluster.sim import simulate
+    from cluster.sim_pooled import adapter_trace
+
+    cfg = SimConfig(
+        num_replicas=1,
+        max_loras=3,
+        num_adapters=12,
+        num_requests=600,
+        zipf_s=0.9,
+        utilization=1e-6,  # arrivals ~1e6 service times apart
+        prefill_ms_per_token=0.0,
+        decode_ms_per_token=1e-6,
+        cpu_load_ms=0.0,
+        disk_load_ms=0.0,
+        shared_tier_ms=None,
+        residency_push_ms=0.0,
+    )
+    seq = adapter_trace(cfg)
+    loads = {
+        p: round(simulate(p, cfg).slot_loads_per_1k * cfg.num_requests / 1000)
+        for p in ("affinity@clairvoyant", "affinity", "affinity@vllm")
+    }
+    assert loads["affinity@clairvoyant"] == belady_loads(seq, cfg.max_loras)
+    assert loads["affinity@vllm"] == lru_loads(seq, cfg.max_loras)  # vLLM's engine: LRU
+    assert loads["affinity"] > loads["affinity@clairvoyant"]
+
+
+@pytest.mark.timeout(60)
+def test_clairvoyant_eviction_by_hand():
+    from cluster.sim_config import Request
+    from cluster.sim_replica import NextRequest, Replica
+
+    cfg = SimConfig(
+        num_replicas=1,
+        max_loras=2,
+        disk_load_ms=0.0,
+        cpu_load_ms=0.0,
+        prefill_ms_per_token=0.0,
+        engine="config",
+        eviction="clairvoyant",
+        shared_tier_ms=None,
+    )
+    with pytest.raises(ValueError, match="trace's future"):
+        Replica("r", cfg, check=True)
+    trace = [
+        Request(0, "b", 0.0, prompt_tokens=1, output_tokens=1),
+        Request(1, "c", 1.0, prompt_tokens=1, output_tokens=1),
+        Request(2, "d", 1000.0, prompt_tokens=1, output_tokens=1),
+        Request(3, "c", 2000.0, prompt_tokens=1, output_tokens=1),
+        Request(4, "b", 3000.0, prompt_tokens=1, output_tokens=1),
+    ]
+    future = NextRequest(trace)
+    assert (future.after("c", 1.0), future.after("b", 3000.0), future.after("x", 0.0)) == (
+        2000.0,
+        float("inf"),
+        float("inf"),
+    )
+    r = Replica("r", cfg, check=True, next_request=future)
+    for req in trace[:3]:
+        r.enqueue(req, req.arrival)
+        assert r.schedule(req.arrival) == [req]
+        r.complete(req, req.finish)
+    # d's load evicts b (next asked for at 3000), not c (2000), though c is the more recent
+    assert set(r.slots) == {"c", "d"}
