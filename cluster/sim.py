@@ -12,7 +12,8 @@ decode_ms_per_token * (1 + batch_slowdown * (b - 1)). Each policy runs on its sy
 runs them), or every policy on one (`--engine`, or "router@engine"); what the two engines do
 with adapters (when the read runs, what stalls the step, which adapter is evicted) is in
 cluster/sim_replica.py. Simplification: the batch size (and so the step time) is fixed at
-admission. cluster/sim_floors.py: the loads no router can avoid.
+admission. cluster/sim_workload.py: the requests (Poisson arrivals, adapters by a Zipf
+law); cluster/sim_floors.py: the loads no router can avoid.
 
 With `system_prompt_tokens`, every prompt starts with its tenant's system prompt (a tenant
 per adapter, plus `num_base_tenants` base tenants), and a replica with `prefix_cache_tokens`
@@ -32,10 +33,8 @@ mean request at a full batch, no adapter loads).
 from __future__ import annotations
 
 import argparse
-import bisect
 import heapq
 import itertools
-import random
 import time
 from dataclasses import dataclass, field
 
@@ -43,6 +42,7 @@ from cluster.sim_config import ENGINES, Request, SimConfig, engine_config
 from cluster.sim_floors import learner_slot_floor_per_1k, slot_load_floor
 from cluster.sim_replica import NextRequest, Replica
 from cluster.sim_router import POLICIES, Router
+from cluster.sim_workload import adapter_name, adapter_ranks, workload
 from deployments.placement import AdapterPopularity
 from deployments.routing_policy import DEFAULT_LOAD_BOUND_C, ReplicaView
 
@@ -71,37 +71,6 @@ class SimResult:
     admitted: list[list[str]] = field(default_factory=list)
 
 
-def _zipf_weights(cfg: SimConfig) -> list[float]:
-    """Popularity of the adapter of each rank (1/k^s, unnormalised), most popular first."""
-    return [1.0 / (k**cfg.zipf_s) for k in range(1, cfg.num_adapters + 1)]
-
-
-def _workload(cfg: SimConfig):
-    rng = random.Random(cfg.seed)
-    cum = list(itertools.accumulate(_zipf_weights(cfg)))
-    total = cum[-1]
-    rate = cfg.arrival_rate_per_ms()
-    t = 0.0
-    for seq in range(cfg.num_requests):
-        t += rng.expovariate(rate)
-        if rng.random() < cfg.base_fraction:
-            adapter = ""
-        else:
-            k = min(bisect.bisect_left(cum, rng.random() * total), cfg.num_adapters - 1)
-            adapter = _adapter_name(k)
-        p = rng.randint(cfg.prompt_tokens // 2, cfg.prompt_tokens * 3 // 2)
-        o = rng.randint(max(1, cfg.output_tokens // 2), cfg.output_tokens * 3 // 2)
-        tenant, prefix = "", 0
-        if cfg.system_prompt_tokens > 0:  # a tenant's system prompt, then the user's turn
-            tenant = adapter or f"base-{rng.randrange(max(1, cfg.num_base_tenants))}"
-            prefix = cfg.system_prompt_tokens
-        yield Request(seq, adapter, t, prefix + p, o, tenant, prefix)
-
-
-def _adapter_name(popularity_rank: int) -> str:
-    return f"adapter-{popularity_rank:04d}"
-
-
 def _percentile(sorted_xs: list[float], q: float) -> float:
     return sorted_xs[min(len(sorted_xs) - 1, int(q * len(sorted_xs)))]
 
@@ -117,12 +86,12 @@ def simulate(
     SimResult.admitted (cluster/sim_pooled.py's per-replica replay)."""
     t0 = time.perf_counter()
     router_name, _, cfg = engine_config(policy, cfg)
-    top = frozenset(_adapter_name(k) for k in range(cfg.num_replicas * cfg.max_loras))
+    top = frozenset(adapter_name(k) for k in range(cfg.num_replicas * cfg.max_loras))
     # fleet-wide request counts, what a registry fed by every router would hold: read by
     # the replicas only with popularity eviction
     fleet = AdapterPopularity()
     shared: dict[str, float] = {}  # raylora's shared adapter tier: adapter -> in it from (ms)
-    future = NextRequest(_workload(cfg)) if cfg.eviction == "clairvoyant" else None
+    future = NextRequest(workload(cfg)) if cfg.eviction == "clairvoyant" else None
     replicas = [
         Replica(f"replica-{i:03d}", cfg, check, top, fleet.count, shared, future)
         for i in range(cfg.num_replicas)
@@ -133,7 +102,7 @@ def simulate(
     router = Router(router_name, replicas, cfg)
     events: list[tuple[float, int, int, Request | None, Replica | None]] = []
     tie = itertools.count()
-    arrivals = _workload(cfg)
+    arrivals = workload(cfg)
     done: list[Request] = []
     push_ms = cfg.residency_push_ms
 
@@ -388,8 +357,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     results = [simulate(p, cfg) for p in policies]
     print(format_table(results))
-    from cluster.sim_pooled import adapter_ranks  # it imports this module
-
     floor = slot_load_floor(cfg, learner_slot_floor_per_1k(cfg, adapter_ranks(cfg)))
     print(
         f"slot-load floor for any router: {floor:.1f} loads/1k (cluster/sim_floors.py: the "

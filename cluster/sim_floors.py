@@ -17,13 +17,7 @@ import math
 from collections.abc import Sequence
 
 from cluster.sim_config import SimConfig
-
-
-def zipf_shares(cfg: SimConfig) -> list[float]:
-    """p_a of the adapter of each popularity rank (the workload's own law), most popular first."""
-    w = [1.0 / (k**cfg.zipf_s) for k in range(1, cfg.num_adapters + 1)]
-    total = sum(w)
-    return [x / total for x in w]
+from cluster.sim_workload import zipf_shares
 
 
 def first_touch_per_1k(cfg: SimConfig) -> float:

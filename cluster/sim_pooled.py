@@ -44,9 +44,10 @@ import statistics
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 
-from cluster.sim import SimResult, _adapter_name, _workload, simulate
+from cluster.sim import SimResult, simulate
 from cluster.sim_config import SimConfig
-from cluster.sim_floors import learner_slot_floor_per_1k, zipf_shares
+from cluster.sim_floors import learner_slot_floor_per_1k
+from cluster.sim_workload import adapter_name, adapter_ranks, adapter_trace, zipf_shares
 
 RULES = ("belady", "oracle", "lfu", "lfu-mru", "lru")
 
@@ -110,7 +111,7 @@ def rule_loads(cfg: SimConfig, rule: str, seq: Sequence[str], slots: int) -> int
     if rule == "belady":
         return belady_loads(seq, slots)
     if rule == "oracle":
-        share = {_adapter_name(k): p for k, p in enumerate(zipf_shares(cfg))}
+        share = {adapter_name(k): p for k, p in enumerate(zipf_shares(cfg))}
         return keyed_loads(seq, slots, lambda a, _c, _t: share[a])
     if rule == "lfu":
         return keyed_loads(seq, slots, lambda a, c, _t: c[a])
@@ -133,19 +134,6 @@ def replica_replay(cfg: SimConfig, policy: str = "affinity") -> tuple[SimResult,
         for rule in RULES
     }
     return result, loads
-
-
-def adapter_trace(cfg: SimConfig) -> list[str]:
-    """The adapters of `cfg`'s trace, in arrival order (base requests need no slot)."""
-    return [r.adapter for r in _workload(cfg) if r.adapter]
-
-
-def adapter_ranks(cfg: SimConfig, seq: Sequence[str] | None = None) -> list[int]:
-    """The popularity ranks (0 = most requested) of the trace's adapter requests, in arrival
-    order: what cluster/sim_floors.py's `learner_slot_floor_per_1k` takes (`seq`: that
-    trace's adapters, if the caller made them already)."""
-    rank = {_adapter_name(k): k for k in range(cfg.num_adapters)}
-    return [rank[a] for a in (adapter_trace(cfg) if seq is None else seq)]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -42,7 +42,7 @@ from cluster.sim_floors import (
     learner_slot_floor_per_1k,
     slot_load_floor,
 )
-from cluster.sim_pooled import adapter_ranks
+from cluster.sim_workload import adapter_ranks
 
 SWEEP_POLICIES = ("affinity", "ray_multiplex", "ray_multiplex@raylora", "affinity@vllm", "p2c")
 PEER = "ray_multiplex"

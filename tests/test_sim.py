@@ -52,7 +52,7 @@ def test_no_policy_beats_the_slot_load_floor():
         assert simulate(policy, cfg).slot_loads_per_1k >= 0.95 * floor, policy
     # the learner's floor on the trace (32 slots, 100 adapters, the tail asked for once or
     # twice) is over the law's, and no policy beats it either
-    from cluster.sim_pooled import adapter_ranks
+    from cluster.sim_workload import adapter_ranks
 
     roomy = SimConfig(
         num_replicas=4, max_loras=8, num_adapters=100, zipf_s=1.3, num_requests=600, utilization=0.4
@@ -281,10 +281,10 @@ def test_shared_tier_what_if_by_hand():
 
 
 def test_shared_tier_reads_each_adapter_once_fleet_wide():
-    from cluster.sim import _workload
+    from cluster.sim_workload import workload
 
     cfg = replace(SMALL, shared_tier_ms=30.0)
-    distinct = {r.adapter for r in _workload(cfg) if r.adapter}
+    distinct = {r.adapter for r in workload(cfg) if r.adapter}
     res = simulate("affinity", cfg, check=True)
     assert res.num_completed == cfg.num_requests
     assert round(res.cold_loads_per_1k * cfg.num_requests / 1000) == len(distinct)

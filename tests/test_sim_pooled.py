@@ -108,7 +108,8 @@ def test_rules_that_learn_the_shares_stay_over_the_learner_floor():
     from dataclasses import replace
 
     from cluster.sim_floors import learner_slot_floor_per_1k
-    from cluster.sim_pooled import adapter_ranks, adapter_trace, rule_loads
+    from cluster.sim_pooled import rule_loads
+    from cluster.sim_workload import adapter_ranks, adapter_trace
 
     base = SimConfig(
         num_replicas=2,
@@ -136,8 +137,8 @@ def test_the_sweep_marks_a_slot_miss_under_the_learner_floor():
 
     from cluster.sim import simulate
     from cluster.sim_floors import learner_slot_floor_per_1k, slot_load_floor
-    from cluster.sim_pooled import adapter_ranks
     from cluster.sim_sweep import PEER, Run, _mark
+    from cluster.sim_workload import adapter_ranks
 
     cfg = SimConfig(num_replicas=2, max_loras=2, num_adapters=30, num_requests=300)
     result = simulate(PEER, cfg)
@@ -210,7 +211,8 @@ def test_replica_replay_bounds_the_engine():
     from collections import Counter
 
     from cluster.sim import simulate
-    from cluster.sim_pooled import adapter_trace, replica_replay
+    from cluster.sim_pooled import replica_replay
+    from cluster.sim_workload import adapter_trace
 
     cfg = SimConfig(num_replicas=3, max_loras=2, num_adapters=30, num_requests=400)
     result, loads = replica_replay(cfg)
@@ -235,7 +237,7 @@ def test_clairvoyant_eviction_is_belady_on_one_replica():
     sequence is the trace, no slot is busy at an eviction, and evicting by the trace's future
     makes exactly Belady's loads; the replica's own frequency eviction makes at least that."""
     from cluster.sim import simulate
-    from cluster.sim_pooled import adapter_trace
+    from cluster.sim_workload import adapter_trace
 
     cfg = SimConfig(
         num_replicas=1,
@@ -298,3 +300,35 @@ def test_clairvoyant_eviction_by_hand():
         r.complete(req, req.finish)
     # d's load evicts b (next asked for at 3000), not c (2000), though c is the more recent
     assert set(r.slots) == {"c", "d"}
+
+
+@pytest.mark.timeout(120)
+def test_cli_summarises_seeds(capsys):
+    """`python -m cluster.sim_pooled --seeds 0-1 --policies ...`: a line per seed with each
+    policy's loads, then each policy's mean ratio to the peer over the seeds."""
+    import re
+
+    from cluster.sim_pooled import main
+
+    main(
+        [
+            "--point",
+            "23",
+            "--seeds",
+            "0-1",
+            "--requests",
+            "600",
+            "--policies",
+            "affinity@clairvoyant",
+        ]
+    )
+    out = capsys.readouterr().out
+    per_seed = re.findall(
+        r"affinity ([\d.]+), ray_multiplex ([\d.]+),.*affinity@clairvoyant ([\d.]+)", out
+    )
+    assert len(per_seed) == 2
+    ours = [float(a) / float(p) for a, p, _ in per_seed]
+    mean = re.search(r"  affinity: mean ([\d.]+).*met on (\d) of 2", out)
+    assert mean and abs(float(mean.group(1)) - sum(ours) / 2) < 0.002  # printed to 1 decimal
+    assert int(mean.group(2)) == sum(r <= 0.9 for r in ours)
+    assert re.search(r"  affinity@clairvoyant: mean [\d.]+ \(standard error", out)
