@@ -47,6 +47,7 @@ from collections.abc import Callable, Sequence
 from cluster.sim import SimResult, simulate
 from cluster.sim_config import SimConfig
 from cluster.sim_floors import learner_slot_floor_per_1k
+from cluster.sim_sweep import DESIGN_POINTS, DESIGN_SEED, PEER, TARGETS, parse_seeds, sweep_configs
 from cluster.sim_workload import adapter_name, adapter_ranks, adapter_trace, zipf_shares
 
 RULES = ("belady", "oracle", "lfu", "lfu-mru", "lru")
@@ -155,16 +156,6 @@ def main(argv: list[str] | None = None) -> None:
         "the trace's future) and print their loads against the peer's",
     )
     args = ap.parse_args(argv)
-    # sim_sweep imports this module
-    from cluster.sim_sweep import (
-        DESIGN_POINTS,
-        DESIGN_SEED,
-        PEER,
-        TARGETS,
-        parse_seeds,
-        sweep_configs,
-    )
-
     seeds = parse_seeds(args.seeds)
     base = SimConfig(num_requests=args.requests)
     extra = [p for p in args.policies.split(",") if p]
