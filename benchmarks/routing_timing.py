@@ -143,7 +143,15 @@ def by_popularity(record: dict, sizes: tuple[int, ...] = POPULARITY_GROUPS) -> d
                     if adapter_of[int(i)] in group:
                         first.append(t["phases"]["first_token"])
                         total.append(t["total"])
-            rows.append((len(group), len(first), percentile(first, 0.5), percentile(first, 0.99), percentile(total, 0.99)))
+            rows.append(
+                (
+                    len(group),
+                    len(first),
+                    percentile(first, 0.5),
+                    percentile(first, 0.99),
+                    percentile(total, 0.99),
+                )
+            )
         out[policy] = rows
     return out
 
@@ -152,10 +160,37 @@ def decode_by_run(record: dict) -> list[tuple[int, str, float]]:
     """(run, policy, mean decode ms) in the order the runs ran: the decode of a few tokens is
     the same work in every arm, so its drift between runs is the machine's."""
     return [
-        (r["run"], r["policy"], statistics.fmean(t["phases"]["rest"] for t in r["timings"].values()))
+        (
+            r["run"],
+            r["policy"],
+            statistics.fmean(t["phases"]["rest"] for t in r["timings"].values()),
+        )
         for r in record["runs"]
         if r["timings"]
     ]
+
+
+def decode_alone(record: dict) -> list[tuple[int, str, float, int]]:
+    """(run, policy, mean decode ms, requests) over the requests in flight while no other
+    request of the run was (on any replica): nothing shared the machine's cores with them,
+    so this is the machine's speed in that run, whatever the router did."""
+    trace = record["trace"]
+    out = []
+    for r in record["runs"]:
+        spans = sorted(
+            (trace[int(i)][0] * 1000, trace[int(i)][0] * 1000 + t["total"], t["phases"]["rest"])
+            for i, t in r["timings"].items()
+        )
+        alone = []
+        reach = float("-inf")  # the latest end among the requests before this one
+        for j, (start, end, rest) in enumerate(spans):
+            after = spans[j + 1][0] if j + 1 < len(spans) else float("inf")
+            if reach <= start and end <= after:
+                alone.append(rest)
+            reach = max(reach, end)
+        if alone:
+            out.append((r["run"], r["policy"], statistics.fmean(alone), len(alone)))
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -172,7 +207,9 @@ def main(argv: list[str] | None = None) -> None:
         record = json.load(f)
     names = ["most requested", *(f"next {n}" for n in POPULARITY_GROUPS[1:]), "the rest"]
     for policy, rows in by_popularity(record).items():
-        timings = [t for r in record["runs"] if r["policy"] == policy for t in r["timings"].values()]
+        timings = [
+            t for r in record["runs"] if r["policy"] == policy for t in r["timings"].values()
+        ]
         means = " ".join(
             f"{p} {statistics.fmean(t['phases'][p] for t in timings):.2f}"
             for p in PHASES
@@ -186,6 +223,10 @@ def main(argv: list[str] | None = None) -> None:
             )
     drift = ", ".join(f"{run}:{policy} {ms:.1f}" for run, policy, ms in decode_by_run(record))
     print(f"mean decode ms per run, in the order run: {drift}")
+    alone = ", ".join(
+        f"{run}:{policy} {ms:.1f} ({n})" for run, policy, ms, n in decode_alone(record)
+    )
+    print(f"the same over requests with nothing else in flight (the machine's speed): {alone}")
 
 
 if __name__ == "__main__":

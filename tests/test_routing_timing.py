@@ -8,7 +8,12 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _timing(first: float, total: float, rest: float = 10.0) -> dict:
-    return {"total": total, "replica": "r", "inflight": 0, "phases": {"first_token": first, "rest": rest}}
+    return {
+        "total": total,
+        "replica": "r",
+        "inflight": 0,
+        "phases": {"first_token": first, "rest": rest},
+    }
 
 
 def _record() -> dict:
@@ -36,7 +41,7 @@ def test_groups_by_the_traces_own_counts():
 
 
 def test_percentiles_pool_every_run_of_an_arm(tmp_path, capsys):
-    from benchmarks.routing_timing import by_popularity, decode_by_run, main
+    from benchmarks.routing_timing import by_popularity, decode_alone, decode_by_run, main
 
     record = _record()
     rows = by_popularity(record, (1,))
@@ -47,6 +52,9 @@ def test_percentiles_pool_every_run_of_an_arm(tmp_path, capsys):
     n, ft50, ft99 = rows["y"][0][1:4]
     assert (n, ft50, ft99) == (6, 5.0, 10.0)
     assert decode_by_run(record) == [(0, "x", 10.0), (0, "y", 14.0), (1, "y", 10.0)]
+    # arrivals 100 ms apart: the fast run's requests (10-14 ms) never overlap, the slow
+    # run's neither (20-24 ms)
+    assert decode_alone(record) == [(0, "x", 10.0, 5), (0, "y", 14.0, 5), (1, "y", 10.0, 5)]
     path = tmp_path / "lat.json"
     path.write_text(json.dumps(record))
     main([str(path)])
@@ -54,3 +62,19 @@ def test_percentiles_pool_every_run_of_an_arm(tmp_path, capsys):
     assert "x: mean ms, all runs: first_token 3.00 rest 10.00" in out
     assert "y: mean ms, all runs: first_token 4.50 rest 12.00" in out  # (6 + 3) / 2, (14 + 10) / 2
     assert "0:y 14.0, 1:y 10.0" in out
+    assert "nothing else in flight (the machine's speed): 0:x 10.0 (5)" in out
+
+
+def test_decode_alone_leaves_out_overlapping_requests():
+    from benchmarks.routing_timing import decode_alone
+
+    # 0 runs 0-50 ms and overlaps 1 (20-30 ms); 2 (100-105) and 3 (200-230) are alone
+    trace = [[0.0, "a"], [0.02, "a"], [0.1, "b"], [0.2, "c"]]
+    timings = {
+        "0": {"total": 50.0, "phases": {"rest": 40.0}},
+        "1": {"total": 10.0, "phases": {"rest": 8.0}},
+        "2": {"total": 5.0, "phases": {"rest": 4.0}},
+        "3": {"total": 30.0, "phases": {"rest": 20.0}},
+    }
+    record = {"trace": trace, "runs": [{"policy": "x", "run": 0, "timings": timings}]}
+    assert decode_alone(record) == [(0, "x", 12.0, 2)]
