@@ -203,8 +203,8 @@ class Replica:
         """LRU first in `candidates`; with popularity eviction, the least requested of them;
         clairvoyant, the one asked for next the latest after `now` (from the whole trace,
         wherever those requests are routed: a reference, not an optimum)."""
-        future = self.next_request
-        if future is not None:  # requests waiting here are asked for now
+        if self.cfg.eviction == "clairvoyant":  # requests waiting here are asked for now
+            future = self.next_request  # set: __init__ checks
             return max(
                 candidates, key=lambda a: -1.0 if self.queues.get(a) else future.after(a, now)
             )

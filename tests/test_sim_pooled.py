@@ -163,6 +163,20 @@ def test_the_sweep_marks_a_slot_miss_under_the_learner_floor():
     assert slot_load_floor(cfg, law_wins) == slot_load_floor(cfg)
 
 
+def _two_slots(eviction: str) -> SimConfig:
+    """One replica of two slots whose loads, reads and prefills take no time."""
+    return SimConfig(
+        num_replicas=1,
+        max_loras=2,
+        disk_load_ms=0.0,
+        cpu_load_ms=0.0,
+        prefill_ms_per_token=0.0,
+        engine="config",
+        eviction=eviction,
+        shared_tier_ms=None,
+    )
+
+
 @pytest.mark.timeout(60)
 def test_forced_evictions_by_hand():
     """An eviction is forced when the adapter the rule ranks last is running: the engine
@@ -170,16 +184,7 @@ def test_forced_evictions_by_hand():
     from cluster.sim_config import Request
     from cluster.sim_replica import Replica
 
-    cfg = SimConfig(
-        num_replicas=1,
-        max_loras=2,
-        disk_load_ms=0.0,
-        cpu_load_ms=0.0,
-        prefill_ms_per_token=0.0,
-        engine="config",
-        eviction="frequency",
-        shared_tier_ms=None,
-    )
+    cfg = _two_slots("frequency")
     r = Replica("r", cfg, check=True)
     r.admitted = []
     bs = [Request(i, "b", 0.0, prompt_tokens=1, output_tokens=1) for i in range(3)]
@@ -268,16 +273,7 @@ def test_clairvoyant_eviction_by_hand():
     from cluster.sim_config import Request
     from cluster.sim_replica import NextRequest, Replica
 
-    cfg = SimConfig(
-        num_replicas=1,
-        max_loras=2,
-        disk_load_ms=0.0,
-        cpu_load_ms=0.0,
-        prefill_ms_per_token=0.0,
-        engine="config",
-        eviction="clairvoyant",
-        shared_tier_ms=None,
-    )
+    cfg = _two_slots("clairvoyant")
     with pytest.raises(ValueError, match="trace's future"):
         Replica("r", cfg, check=True)
     trace = [
