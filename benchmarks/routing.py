@@ -213,7 +213,7 @@ def build_llm_app(policy: str, args, model: str, adapters: dict[str, str]):
     from benchmarks.routing_timing import TimedLLMServer
 
     router, report_ids, engine_kind = POLICIES[policy]
-    engine, _ = serve_app.parse_args(
+    engine, app_options = serve_app.parse_args(
         {
             "model": model,
             "max_loras": args.max_loras,
@@ -238,7 +238,8 @@ def build_llm_app(policy: str, args, model: str, adapters: dict[str, str]):
         options["request_router_config"] = RequestRouterConfig(
             request_router_class="deployments.router:AdapterAffinityRouter",
             request_router_kwargs=kwargs,
-            request_routing_stats_period_s=1.0,
+            # as it ships (serve_app's routing_stats_period_s)
+            request_routing_stats_period_s=app_options["routing_stats_period_s"],
         )
     return serve.deployment(TimedLLMServer, **options).bind(
         engine_config=engine,
@@ -265,7 +266,7 @@ def registry_waits() -> int:
 def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -> dict:
     from ray import serve
 
-    from benchmarks.routing_timing import percentile, summarize
+    from benchmarks.routing_timing import cpu_by_role, cpu_used, percentile, summarize
 
     app_name = f"bench-{policy}"
     app = build_llm_app(policy, args, model, adapters)
@@ -281,9 +282,11 @@ def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -
         waits_before = registry_waits()
         driver_gc = full_collections()
         driver_gc_before = (driver_gc.count, driver_gc.total_ms)
+        cpu_before = cpu_by_role()
         t0 = time.perf_counter()
         latencies, timings, errors = asyncio.run(replay(handle, trace, args.max_tokens))
         wall = time.perf_counter() - t0
+        cpu = cpu_used(cpu_before, cpu_by_role())
         driver_gc_run = (
             driver_gc.count - driver_gc_before[0],
             driver_gc.total_ms - driver_gc_before[1],
@@ -324,6 +327,7 @@ def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -
         "mean_ms": 1000 * statistics.fmean(lat) if lat else float("nan"),
         "cpu_cached_per_replica": resident,
         "wall_s": wall,
+        "cpu_s": cpu,  # CPU seconds during the replay by role (routing_timing.cpu_by_role)
         "latency_ms": {i: 1000 * x for i, x in sorted(latencies.items())},
         "timing": summarize(timings) if timings else None,
         "timings": timings,
@@ -501,6 +505,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"replica {r['replica_frozen']})",
                     flush=True,
                 )
+                cpu = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["cpu_s"].items()))
+                print(f"  run {run + 1} {policy}: CPU s during the replay: {cpu}", flush=True)
                 if r["timing"] is not None:
                     print_summary(policy, r["timing"])
     finally:
@@ -510,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
             ray.shutdown()
 
     if args.latencies_out is not None:
-        runs = [{k: r[k] for k in ("policy", "run", "latency_ms", "timings")} for r in results]
+        runs = [{k: r[k] for k in ("policy", "run", "latency_ms", "timings", "cpu_s")} for r in results]
         args.latencies_out.write_text(json.dumps({"trace": trace, "runs": runs}))
         print(f"latencies: {args.latencies_out}")
     for run in range(args.runs):

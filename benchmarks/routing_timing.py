@@ -100,6 +100,48 @@ def print_summary(policy: str, s: dict) -> None:
     )
 
 
+# ---- where the machine's CPU went during a run ----------------------------------------------
+
+# a process's role, from the title Ray gives its workers (first match wins)
+CPU_ROLES = (
+    ("ServeReplica", "replicas"),
+    ("ServeController", "controller"),
+    ("AdapterRegistry", "registry"),
+    ("raylet", "ray"),
+    ("gcs_server", "ray"),
+    ("ray::", "ray"),
+    ("ray/", "ray"),
+)
+
+
+def cpu_by_role() -> dict[str, float]:
+    """CPU seconds (user + system) so far of every process on this machine, summed by role:
+    `driver` (this process: it hosts the router), the Ray roles in CPU_ROLES, `other`. The
+    difference of two calls is what each used in between; a process that ended in between
+    drops out (the roles of a run are alive throughout it)."""
+    import os
+
+    import psutil
+
+    out: dict[str, float] = {}
+    me = os.getpid()
+    for proc in psutil.process_iter(["pid", "cmdline", "cpu_times"]):
+        times = proc.info["cpu_times"]
+        if times is None:  # gone, or not ours to read
+            continue
+        title = " ".join(proc.info["cmdline"] or ())
+        role = "driver" if proc.info["pid"] == me else "other"
+        if role == "other":
+            role = next((r for key, r in CPU_ROLES if key in title), "other")
+        out[role] = out.get(role, 0.0) + times.user + times.system
+    return out
+
+
+def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds by role between two cpu_by_role() calls (roles seen in both)."""
+    return {role: max(0.0, after[role] - before[role]) for role in after if role in before}
+
+
 # ---- reading a benchmark's --latencies-out file ---------------------------------------------
 
 # the trace's adapters, most requested first, split into groups of these sizes (the rest last)
@@ -227,6 +269,10 @@ def main(argv: list[str] | None = None) -> None:
         f"{run}:{policy} {ms:.1f} ({n})" for run, policy, ms, n in decode_alone(record)
     )
     print(f"the same over requests with nothing else in flight (the machine's speed): {alone}")
+    for r in record["runs"]:  # files from before the CPU accounting have none
+        if r.get("cpu_s"):
+            cpu = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["cpu_s"].items()))
+            print(f"CPU s during run {r['run']}:{r['policy']}: {cpu}")
 
 
 if __name__ == "__main__":

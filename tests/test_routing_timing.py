@@ -55,6 +55,7 @@ def test_percentiles_pool_every_run_of_an_arm(tmp_path, capsys):
     # arrivals 100 ms apart: the fast run's requests (10-14 ms) never overlap, the slow
     # run's neither (20-24 ms)
     assert decode_alone(record) == [(0, "x", 10.0, 5), (0, "y", 14.0, 5), (1, "y", 10.0, 5)]
+    record["runs"][1]["cpu_s"] = {"replicas": 12.34, "driver": 2.0}  # one run has CPU figures
     path = tmp_path / "lat.json"
     path.write_text(json.dumps(record))
     main([str(path)])
@@ -63,6 +64,8 @@ def test_percentiles_pool_every_run_of_an_arm(tmp_path, capsys):
     assert "y: mean ms, all runs: first_token 4.50 rest 12.00" in out  # (6 + 3) / 2, (14 + 10) / 2
     assert "0:y 14.0, 1:y 10.0" in out
     assert "nothing else in flight (the machine's speed): 0:x 10.0 (5)" in out
+    assert "CPU s during run 0:y: driver 2.0, replicas 12.3" in out
+    assert "CPU s during run 0:x" not in out and "run 1:y" not in out
 
 
 def test_decode_alone_leaves_out_overlapping_requests():
@@ -78,3 +81,32 @@ def test_decode_alone_leaves_out_overlapping_requests():
     }
     record = {"trace": trace, "runs": [{"policy": "x", "run": 0, "timings": timings}]}
     assert decode_alone(record) == [(0, "x", 12.0, 2)]
+
+
+def test_cpu_by_role_counts_a_titled_process_and_this_one():
+    """A process whose command line names a Ray role is counted under that role; this
+    process is the driver; the difference of two calls is the CPU used in between."""
+    import subprocess
+    import sys
+    import time
+
+    from benchmarks.routing_timing import cpu_by_role, cpu_used
+
+    spin = "import time\ntime.sleep(0.5)\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass\n"
+    # the role is read from the command line: pass the title as an argument
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "x"])
+    busy = subprocess.Popen([sys.executable, "-c", spin + "time.sleep(30)", "ray::AdapterRegistry"])
+    try:
+        before = cpu_by_role()  # the titled child spins from 0.5 s after its start
+        t = time.process_time()
+        while time.process_time() - t < 0.3:  # the driver's share
+            pass
+        time.sleep(2.5)  # the titled child's 0.6 s of CPU is done by then
+        used = cpu_used(before, cpu_by_role())
+    finally:
+        child.kill()
+        busy.kill()
+    assert used["driver"] >= 0.25
+    assert 0.2 <= used["registry"] <= 1.0
+    assert set(used) >= {"driver", "registry", "other"}
+    assert all(v >= 0 for v in used.values())
