@@ -384,8 +384,7 @@ class AdapterAffinityRouter(RequestRouter):
 
 
 def _smallest_reported(replicas: list[RunningReplica], field: str) -> int | None:
-    """The smallest value of an engine limit the replicas report in their routing stats
-    (None: none reports it yet)."""
+    """The smallest engine limit the replicas report in their routing stats (None: none yet)."""
     known = [int(v) for r in replicas if (v := (r.routing_stats or {}).get(field))]
     return min(known) if known else None
 
