@@ -516,7 +516,9 @@ def main(argv: list[str] | None = None) -> int:
             ray.shutdown()
 
     if args.latencies_out is not None:
-        runs = [{k: r[k] for k in ("policy", "run", "latency_ms", "timings", "cpu_s")} for r in results]
+        runs = [
+            {k: r[k] for k in ("policy", "run", "latency_ms", "timings", "cpu_s")} for r in results
+        ]
         args.latencies_out.write_text(json.dumps({"trace": trace, "runs": runs}))
         print(f"latencies: {args.latencies_out}")
     for run in range(args.runs):
