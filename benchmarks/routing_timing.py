@@ -114,9 +114,10 @@ CPU_ROLES = (
 )
 
 
-def cpu_by_role() -> dict[str, float]:
+def cpu_by_role(roles: tuple[tuple[str, str], ...] = CPU_ROLES) -> dict[str, float]:
     """CPU seconds (user + system) so far of every process on this machine, summed by role:
-    `driver` (this process: it hosts the router), the Ray roles in CPU_ROLES, `other`. The
+    `driver` (this process: it hosts the router), the roles of `roles` ((a text in the
+    command line, its role), first match wins), `other`. The
     difference of two calls is what each used in between; a process that ended in between
     drops out (the roles of a run are alive throughout it)."""
     import os
@@ -132,7 +133,7 @@ def cpu_by_role() -> dict[str, float]:
         title = " ".join(proc.info["cmdline"] or ())
         role = "driver" if proc.info["pid"] == me else "other"
         if role == "other":
-            role = next((r for key, r in CPU_ROLES if key in title), "other")
+            role = next((r for key, r in roles if key in title), "other")
         out[role] = out.get(role, 0.0) + times.user + times.system
     return out
 
