@@ -36,13 +36,14 @@ import argparse
 import heapq
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cluster.sim_config import ENGINES, Request, SimConfig, engine_config
 from cluster.sim_floors import learner_slot_floor_per_1k, slot_load_floor
 from cluster.sim_replica import NextRequest, Replica
 from cluster.sim_router import POLICIES, Router
-from cluster.sim_workload import adapter_name, adapter_ranks, workload
+from cluster.sim_workload import adapter_name, adapter_ranks, adapter_shares, workload
 from deployments.placement import AdapterPopularity
 from deployments.routing_policy import DEFAULT_LOAD_BOUND_C, ReplicaView
 
@@ -71,6 +72,12 @@ class SimResult:
     admitted: list[list[str]] = field(default_factory=list)
 
 
+def _true_shares(cfg: SimConfig) -> Callable[[str], float]:
+    """The replicas' popularity with "shares" eviction: the true rates (a reference)."""
+    share = adapter_shares(cfg)
+    return lambda adapter: share.get(adapter, 0.0)
+
+
 def _percentile(sorted_xs: list[float], q: float) -> float:
     return sorted_xs[min(len(sorted_xs) - 1, int(q * len(sorted_xs)))]
 
@@ -88,12 +95,13 @@ def simulate(
     router_name, _, cfg = engine_config(policy, cfg)
     top = frozenset(adapter_name(k) for k in range(cfg.num_replicas * cfg.max_loras))
     # fleet-wide request counts, what a registry fed by every router would hold: read by
-    # the replicas only with popularity eviction
+    # the replicas only with popularity eviction; with "shares" they read the true rates
     fleet = AdapterPopularity()
+    popularity = _true_shares(cfg) if cfg.eviction == "shares" else fleet.count
     shared: dict[str, float] = {}  # raylora's shared adapter tier: adapter -> in it from (ms)
     future = NextRequest(workload(cfg)) if cfg.eviction == "clairvoyant" else None
     replicas = [
-        Replica(f"replica-{i:03d}", cfg, check, top, fleet.count, shared, future)
+        Replica(f"replica-{i:03d}", cfg, check, top, popularity, shared, future)
         for i in range(cfg.num_replicas)
     ]
     if record_admissions:
@@ -252,7 +260,8 @@ def add_config_args(ap: argparse.ArgumentParser) -> None:
         help="system: each router on its own system's engine (raylora's routers on raylora's, "
         "Ray's on vLLM's, as Ray Serve LLM runs them); raylora / vllm: every policy on that "
         "one (a policy named router@engine picks its own); clairvoyant: raylora's evicting "
-        "by the trace's future, a reference no engine can be",
+        "by the trace's future, shares: by the adapters' true rates (references no engine "
+        "can be)",
     )
     ap.add_argument("--no-stall", action="store_true", help="slot loads do not stall the step")
     ap.add_argument(

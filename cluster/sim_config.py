@@ -9,13 +9,15 @@ from dataclasses import dataclass, replace
 from deployments.placement import DEFAULT_MAX_MOVES
 from deployments.routing_policy import DEFAULT_LOAD_BOUND_C, DEFAULT_MIN_LOAD_BOUND
 
-EVICTIONS = ("lru", "frequency", "popularity", "clairvoyant")
+EVICTIONS = ("lru", "frequency", "popularity", "shares", "clairvoyant")
 # engine -> its SimConfig fields (see the module docstring)
 ENGINES: dict[str, dict] = {
     "raylora": {"eviction": "frequency", "async_disk_loads": True},
     "vllm": {"eviction": "lru", "async_disk_loads": False},
     # a reference no engine can be: raylora's, evicting by the trace's future (Belady's rule)
     "clairvoyant": {"eviction": "clairvoyant", "async_disk_loads": True},
+    # a reference no engine can be either: raylora's, told the adapters' true rates
+    "shares": {"eviction": "shares", "async_disk_loads": True},
 }
 # router -> the engine of its system: raylora's routers on raylora's engine; Ray's routers on
 # vLLM's, as Ray Serve LLM runs them (any router not named here: vLLM)
@@ -54,8 +56,9 @@ class SimConfig:
     # ENGINES = that one for every policy, "config" = the eviction/async fields as set here
     engine: str = "system"
     # "lru": vLLM; "frequency": raylora (the idle adapter with the fewest decayed requests at
-    # this replica); "popularity": the fewest fleet-wide requests; "clairvoyant": the one
-    # whose next request in the trace comes last (both simulated only)
+    # this replica); "popularity": the fewest fleet-wide requests; "shares": the smallest
+    # share of the workload's law (the true rates); "clairvoyant": the one whose next request
+    # in the trace comes last (the last three simulated only)
     eviction: str = "frequency"
     starvation_ms: float = 500.0
     # How routers learn residency. Ray: a replica pushes its multiplexed ids when they change,

@@ -48,7 +48,7 @@ from cluster.sim import SimResult, simulate
 from cluster.sim_config import SimConfig
 from cluster.sim_floors import learner_slot_floor_per_1k
 from cluster.sim_sweep import DESIGN_POINTS, DESIGN_SEED, PEER, TARGETS, parse_seeds, sweep_configs
-from cluster.sim_workload import adapter_name, adapter_ranks, adapter_trace, zipf_shares
+from cluster.sim_workload import adapter_ranks, adapter_shares, adapter_trace
 
 RULES = ("belady", "oracle", "lfu", "lfu-mru", "lru")
 
@@ -112,7 +112,7 @@ def rule_loads(cfg: SimConfig, rule: str, seq: Sequence[str], slots: int) -> int
     if rule == "belady":
         return belady_loads(seq, slots)
     if rule == "oracle":
-        share = {adapter_name(k): p for k, p in enumerate(zipf_shares(cfg))}
+        share = adapter_shares(cfg)
         return keyed_loads(seq, slots, lambda a, _c, _t: share[a])
     if rule == "lfu":
         return keyed_loads(seq, slots, lambda a, c, _t: c[a])
@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
         "--policies",
         default="",
         help="also run these policies (e.g. affinity@clairvoyant: raylora's engine evicting by "
-        "the trace's future) and print their loads against the peer's",
+        "the trace's future; affinity@shares: by the true rates) and print their loads "
+        "against the peer's",
     )
     args = ap.parse_args(argv)
     seeds = parse_seeds(args.seeds)

@@ -200,15 +200,15 @@ class Replica:
                 del self.cpu[self._victim(idle, now)]
 
     def _victim(self, candidates: list[str], now: float) -> str:
-        """LRU first in `candidates`; with popularity eviction, the least requested of them;
-        clairvoyant, the one asked for next the latest after `now` (from the whole trace,
+        """LRU first in `candidates`; with popularity eviction, the least requested of them
+        (fleet counts; with "shares", the smallest true rate); clairvoyant, the one asked for next the latest after `now` (from the whole trace,
         wherever those requests are routed: a reference, not an optimum)."""
         if self.cfg.eviction == "clairvoyant":  # requests waiting here are asked for now
             future = self.next_request  # set: __init__ checks
             return max(
                 candidates, key=lambda a: -1.0 if self.queues.get(a) else future.after(a, now)
             )
-        if self.cfg.eviction == "popularity":
+        if self.cfg.eviction in ("popularity", "shares"):  # fleet counts / true rates
             return min(candidates, key=self.popularity)  # min keeps the LRU among ties
         if self.cfg.eviction == "frequency":
             return min(candidates, key=self.local.count)

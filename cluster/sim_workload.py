@@ -29,6 +29,11 @@ def adapter_name(popularity_rank: int) -> str:
     return f"adapter-{popularity_rank:04d}"
 
 
+def adapter_shares(cfg: SimConfig) -> dict[str, float]:
+    """adapter -> its share of the workload's law (the true rates, which no system is told)."""
+    return {adapter_name(k): p for k, p in enumerate(zipf_shares(cfg))}
+
+
 def workload(cfg: SimConfig) -> Iterator[Request]:
     """`cfg`'s requests in arrival order (same seed -> same requests)."""
     rng = random.Random(cfg.seed)

@@ -240,8 +240,10 @@ def test_replica_replay_bounds_the_engine():
 def test_clairvoyant_eviction_is_belady_on_one_replica():
     """One replica, requests that take no time (never two at once): the engine's admitted
     sequence is the trace, no slot is busy at an eviction, and evicting by the trace's future
-    makes exactly Belady's loads; the replica's own frequency eviction makes at least that."""
+    makes exactly Belady's loads, by the true rates exactly the pool's `oracle` rule's; the
+    replica's own frequency eviction makes more."""
     from cluster.sim import simulate
+    from cluster.sim_pooled import rule_loads
     from cluster.sim_workload import adapter_trace
 
     cfg = SimConfig(
@@ -261,9 +263,10 @@ def test_clairvoyant_eviction_is_belady_on_one_replica():
     seq = adapter_trace(cfg)
     loads = {
         p: round(simulate(p, cfg).slot_loads_per_1k * cfg.num_requests / 1000)
-        for p in ("affinity@clairvoyant", "affinity", "affinity@vllm")
+        for p in ("affinity@clairvoyant", "affinity", "affinity@vllm", "affinity@shares")
     }
     assert loads["affinity@clairvoyant"] == belady_loads(seq, cfg.max_loras)
+    assert loads["affinity@shares"] == rule_loads(cfg, "oracle", seq, cfg.max_loras)
     assert loads["affinity@vllm"] == lru_loads(seq, cfg.max_loras)  # vLLM's engine: LRU
     assert loads["affinity"] > loads["affinity@clairvoyant"]
 
