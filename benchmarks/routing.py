@@ -478,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from benchmarks.routing_timing import print_summary
+    from benchmarks.routing_timing import cpu_text, print_summary
 
     ray.init(
         num_cpus=max(2, args.replicas),
@@ -505,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"replica {r['replica_frozen']})",
                     flush=True,
                 )
-                cpu = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["cpu_s"].items()))
+                cpu = cpu_text(r["cpu_s"])
                 print(f"  run {run + 1} {policy}: CPU s during the replay: {cpu}", flush=True)
                 if r["timing"] is not None:
                     print_summary(policy, r["timing"])

@@ -117,9 +117,9 @@ CPU_ROLES = (
 def cpu_by_role(roles: tuple[tuple[str, str], ...] = CPU_ROLES) -> dict[str, float]:
     """CPU seconds (user + system) so far of every process on this machine, summed by role:
     `driver` (this process: it hosts the router), the roles of `roles` ((a text in the
-    command line, its role), first match wins), `other`. The
-    difference of two calls is what each used in between; a process that ended in between
-    drops out (the roles of a run are alive throughout it)."""
+    command line, its role), first match wins), `other`. The difference of two calls is what
+    each used in between; a process that ended in between drops out (the roles of a run are
+    alive throughout it)."""
     import os
 
     import psutil
@@ -130,9 +130,10 @@ def cpu_by_role(roles: tuple[tuple[str, str], ...] = CPU_ROLES) -> dict[str, flo
         times = proc.info["cpu_times"]
         if times is None:  # gone, or not ours to read
             continue
-        title = " ".join(proc.info["cmdline"] or ())
-        role = "driver" if proc.info["pid"] == me else "other"
-        if role == "other":
+        if proc.info["pid"] == me:
+            role = "driver"
+        else:
+            title = " ".join(proc.info["cmdline"] or ())
             role = next((r for key, r in roles if key in title), "other")
         out[role] = out.get(role, 0.0) + times.user + times.system
     return out
@@ -141,6 +142,11 @@ def cpu_by_role(roles: tuple[tuple[str, str], ...] = CPU_ROLES) -> dict[str, flo
 def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """CPU seconds by role between two cpu_by_role() calls (roles seen in both)."""
     return {role: max(0.0, after[role] - before[role]) for role in after if role in before}
+
+
+def cpu_text(cpu: dict[str, float]) -> str:
+    """`role seconds, ...` by role name: how the benchmark and this tool print cpu_used."""
+    return ", ".join(f"{k} {v:.1f}" for k, v in sorted(cpu.items()))
 
 
 # ---- reading a benchmark's --latencies-out file ---------------------------------------------
@@ -272,8 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"the same over requests with nothing else in flight (the machine's speed): {alone}")
     for r in record["runs"]:  # files from before the CPU accounting have none
         if r.get("cpu_s"):
-            cpu = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["cpu_s"].items()))
-            print(f"CPU s during run {r['run']}:{r['policy']}: {cpu}")
+            print(f"CPU s during run {r['run']}:{r['policy']}: {cpu_text(r['cpu_s'])}")
 
 
 if __name__ == "__main__":

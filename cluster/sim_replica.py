@@ -201,8 +201,9 @@ class Replica:
 
     def _victim(self, candidates: list[str], now: float) -> str:
         """LRU first in `candidates`; with popularity eviction, the least requested of them
-        (fleet counts; with "shares", the smallest true rate); clairvoyant, the one asked for next the latest after `now` (from the whole trace,
-        wherever those requests are routed: a reference, not an optimum)."""
+        (fleet counts; with "shares", the smallest true rate); clairvoyant, the one asked for
+        next the latest after `now` (from the whole trace, wherever those requests are routed:
+        a reference, not an optimum)."""
         if self.cfg.eviction == "clairvoyant":  # requests waiting here are asked for now
             future = self.next_request  # set: __init__ checks
             return max(
