@@ -66,6 +66,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.routing_arms import DEFAULT_POLICIES, POLICIES, build_llm_app  # noqa: E402
+from benchmarks.routing_report import gc_text, report  # noqa: E402
 from deployments.gc_heap import freeze_startup_heap, full_collections  # noqa: E402
 from deployments.protocol import GenerateRequest, SamplingSpec  # noqa: E402
 
@@ -170,86 +172,6 @@ async def replay(
     return latencies, timings, errors
 
 
-# policy -> (router, replicas report multiplexed ids, adapter-cache behaviour of the engine)
-POLICIES: dict[str, tuple[str, bool, str]] = {
-    "affinity": ("affinity", True, "raylora"),
-    "ray_multiplex": ("pow2", True, "vllm"),
-    "ray_multiplex_raylora_engine": ("pow2", True, "raylora"),
-    "pow2_no_multiplex": ("pow2", False, "vllm"),
-    "affinity_moves": ("affinity", True, "raylora"),
-    "affinity_no_tier": ("affinity", True, "raylora_no_tier"),
-}
-# policy -> router kwargs it sets (over --router-kwargs)
-POLICY_ROUTER_KWARGS: dict[str, dict] = {"affinity_moves": {"max_moves": 1}}
-# the arms run by default: the router as it ships and Ray's, not the option variants
-OPTION_ARMS = {*POLICY_ROUTER_KWARGS, "affinity_no_tier"}
-DEFAULT_POLICIES = tuple(p for p in POLICIES if p not in OPTION_ARMS)
-PEER = "ray_multiplex"
-# engine -> LLMServer kwargs: raylora's (slots and CPU cache keep what this replica is asked
-# for most, the read in a worker thread) or vLLM's (LRU, the read under the engine lock)
-ENGINES: dict[str, dict] = {
-    "raylora": {"adapter_eviction": "frequency", "read_adapters_in_step": False},
-    # raylora without its shared adapter tier: every replica reads from disk itself
-    "raylora_no_tier": {
-        "adapter_eviction": "frequency",
-        "read_adapters_in_step": False,
-        "shared_adapter_tier": False,
-    },
-    "vllm": {
-        "adapter_eviction": "lru",
-        "read_adapters_in_step": True,
-        "shared_adapter_tier": False,
-    },
-}
-
-
-def build_llm_app(policy: str, args, model: str, adapters: dict[str, str]):
-    """The LLMServer deployment alone (the benchmark calls it through a handle), with
-    serve_app's engine arguments and deployment options."""
-    from ray import serve
-    from ray.serve.config import RequestRouterConfig
-
-    import serve_app
-    from benchmarks.routing_timing import TimedLLMServer
-
-    router, report_ids, engine_kind = POLICIES[policy]
-    engine, app_options = serve_app.parse_args(
-        {
-            "model": model,
-            "max_loras": args.max_loras,
-            "max_cpu_loras": args.max_cpu_loras,
-            "max_num_seqs": args.max_num_seqs,
-            "num_kv_blocks": 256,
-        }
-    )
-    options: dict = {
-        "name": "LLMServer",
-        "num_replicas": args.replicas,
-        "ray_actor_options": {"num_cpus": 0.5},
-        "max_ongoing_requests": 2 * args.max_num_seqs,
-        "health_check_timeout_s": 60.0,
-    }
-    if router == "affinity":
-        kwargs = {"max_loras": args.max_loras}
-        if args.load_bound_c is not None:
-            kwargs["load_bound_c"] = args.load_bound_c
-        kwargs.update(json.loads(args.router_kwargs))
-        kwargs.update(POLICY_ROUTER_KWARGS.get(policy, {}))
-        options["request_router_config"] = RequestRouterConfig(
-            request_router_class="deployments.router:AdapterAffinityRouter",
-            request_router_kwargs=kwargs,
-            # as it ships (serve_app's routing_stats_period_s)
-            request_routing_stats_period_s=app_options["routing_stats_period_s"],
-        )
-    return serve.deployment(TimedLLMServer, **options).bind(
-        engine_config=engine,
-        adapters=adapters,
-        report_interval_s=1.0,
-        report_multiplexed_ids=report_ids,
-        **ENGINES[engine_kind],
-    )
-
-
 def registry_waits() -> int:
     """Answers "wait" the shared tier's registry gave so far (a replica missing an adapter
     another replica was reading); 0 with no registry."""
@@ -332,82 +254,6 @@ def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -
         "timing": summarize(timings) if timings else None,
         "timings": timings,
     }
-
-
-def print_table(results: list[dict], num_requests: int) -> None:
-    header = (
-        f"{'policy':<30}{'ok':>6}{'slot loads':>12}{'disk loads':>12}{'shared':>8}{'all loads':>11}"
-        f"{'loads/req':>11}{'p50':>9}{'p99':>9}  adapters in CPU per replica"
-    )
-    print(header)
-    for r in results:
-        print(
-            f"{r['policy']:<30}{r['ok']:>6}{r['activations']:>12}{r['disk']:>12}"
-            f"{r.get('shared', 0):>8}{r['loads']:>11}{r['loads'] / num_requests:>11.2f}{r['p50_ms']:>7.0f}ms"
-            f"{r['p99_ms']:>7.0f}ms  {r.get('cpu_cached_per_replica', '')}"
-        )
-
-
-def _gc_text(counts: list[tuple[int, float]]) -> str:
-    return ", ".join(f"{n} ({ms:.0f} ms)" for n, ms in counts)
-
-
-def medians(results: list[dict]) -> list[dict]:
-    """One row per policy (in first-run order): the median of each figure over the runs."""
-    out = []
-    for policy in dict.fromkeys(r["policy"] for r in results):
-        runs = [r for r in results if r["policy"] == policy]
-        row: dict = {"policy": policy, "ok": min(r["ok"] for r in runs)}
-        for key in ("activations", "disk", "shared", "loads", "p50_ms", "p99_ms"):
-            row[key] = statistics.median(r[key] for r in runs)
-        out.append(row)
-    return out
-
-
-def pooled_p99_ms(runs: list[dict]) -> float:
-    """p99 of every request of every run (a run's p99 rests on its slowest 1%: 24 requests of
-    2,400; pooled, the slowest 1% of all of them)."""
-    from benchmarks.routing_timing import percentile
-
-    return percentile([x for r in runs for x in r["latency_ms"].values()], 0.99)
-
-
-def print_p99_spread(results: list[dict], peer: str) -> None:
-    """Not judged: how far a p99 moves between runs, and the runs pooled."""
-    by = {p: [r for r in results if r["policy"] == p] for p in ("affinity", peer)}
-    a, m = pooled_p99_ms(by["affinity"]), pooled_p99_ms(by[peer])
-    runs = ", ".join(
-        f"{x['p99_ms']:.0f}/{y['p99_ms']:.0f}"
-        for x, y in zip(by["affinity"], by[peer], strict=True)
-    )
-    print(
-        f"  (not judged) p99 per run, affinity/{peer}: {runs}; all runs pooled: "
-        f"{a:.0f} vs {m:.0f} ms ({a / m:.2f}x)"
-    )
-
-
-def judge(rows: dict[str, dict], min_disk: int, p99_tolerance: float) -> list[tuple[str, bool]]:
-    """The issue's bar for affinity against ray_multiplex: [(what, met)]."""
-    a, m = rows["affinity"], rows[PEER]
-    disk_floor = a["disk"] <= min_disk and m["disk"] <= min_disk
-    return [
-        (
-            f"slot loads {a['activations']:g} vs {m['activations']:g} "
-            f"({a['activations'] / max(1, m['activations']):.2f}x), fewer",
-            a["activations"] < m["activations"],
-        ),
-        (
-            f"disk loads {a['disk']:g} vs {m['disk']:g} "
-            f"({a['disk'] / max(1, m['disk']):.2f}x), fewer"
-            + (f" (both at the minimum, {min_disk})" if disk_floor else ""),
-            a["disk"] < m["disk"] or disk_floor,
-        ),
-        (
-            f"p99 {a['p99_ms']:.0f} ms vs {m['p99_ms']:.0f} ms "
-            f"({a['p99_ms'] / m['p99_ms']:.2f}x), <= {1 + p99_tolerance:g}x",
-            a["p99_ms"] <= (1 + p99_tolerance) * m["p99_ms"],
-        ),
-    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -500,8 +346,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"  run {run + 1} {policy}: done in {r['wall_s']:.1f}s "
                     f"({r['tier_waits']} waits for another replica's read of an adapter; "
-                    f"full GCs (count, ms): driver {_gc_text([r['driver_gc']])}, "
-                    f"replicas {_gc_text(r['replica_gc'])}; objects frozen in each "
+                    f"full GCs (count, ms): driver {gc_text([r['driver_gc']])}, "
+                    f"replicas {gc_text(r['replica_gc'])}; objects frozen in each "
                     f"replica {r['replica_frozen']})",
                     flush=True,
                 )
@@ -521,44 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
         args.latencies_out.write_text(json.dumps({"trace": trace, "runs": runs}))
         print(f"latencies: {args.latencies_out}")
-    for run in range(args.runs):
-        print(f"\nrun {run + 1}:")
-        print_table([r for r in results if r["run"] == run], args.requests)
-    rows = {r["policy"]: r for r in medians(results)}
-    if args.runs > 1:
-        print(f"\nmedian of {args.runs} runs:")
-        print_table(list(rows.values()), args.requests)
     incomplete = any(r["errors"] or r["ok"] != args.requests for r in results)
-    for r in results:
-        for e in r["errors"][:3]:
-            print(f"  {r['policy']} error: {e}")
-    missed = False
-    if "affinity" in rows and PEER in rows:
-        print(f"\naffinity against {PEER} (the issue's bar):")
-        for what, met in judge(rows, len(counts), args.p99_tolerance):
-            print(f"  {'met    ' if met else 'NOT MET'} {what}")
-            missed |= not met
-    if "affinity" in rows and PEER in rows and args.runs > 1:
-        print_p99_spread(results, PEER)
-    same = "ray_multiplex_raylora_engine"
-    if "affinity" in rows and same in rows:
-        a, m = rows["affinity"], rows[same]
-        print(
-            f"affinity against {same} (router only, same engine; not judged): slot loads "
-            f"{a['activations'] / max(1, m['activations']):.2f}x, disk loads "
-            f"{a['disk'] / max(1, m['disk']):.2f}x, p99 {a['p99_ms'] / m['p99_ms']:.2f}x"
-        )
-    if "affinity" in rows and "affinity_moves" in rows:
-        a, m = rows["affinity_moves"], rows["affinity"]
-        print(
-            f"affinity_moves against affinity (what the moves change; not judged): slot "
-            f"loads {a['activations'] / max(1, m['activations']):.2f}x, disk loads "
-            f"{a['disk'] / max(1, m['disk']):.2f}x, p50 {a['p50_ms'] / m['p50_ms']:.2f}x, "
-            f"p99 {a['p99_ms'] / m['p99_ms']:.2f}x"
-        )
-    if "affinity" in rows and "pow2_no_multiplex" in rows:
-        ratio = rows["pow2_no_multiplex"]["loads"] / max(1, rows["affinity"]["loads"])
-        print(f"pow2_no_multiplex / affinity adapter loads: {ratio:.1f}x (not the peer)")
+    missed = report(results, args.requests, len(counts), args.p99_tolerance)
     print("FAILED: requests did not complete" if incomplete else "all requests completed")
     return 1 if incomplete or (missed and not args.smoke) else 0
 
