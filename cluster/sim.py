@@ -70,6 +70,8 @@ class SimResult:
     forced_eviction_share: float = 0.0
     # each replica's adapter requests in the order its engine admitted them (record_admissions)
     admitted: list[list[str]] = field(default_factory=list)
+    # (admitted at, finished at, adapter) of each adapter request (record_admissions)
+    holds: list[tuple[float, float, str]] = field(default_factory=list)
 
 
 def _true_shares(cfg: SimConfig) -> Callable[[str], float]:
@@ -90,7 +92,7 @@ def simulate(
 ) -> SimResult:
     """Run one policy ("router" or "router@engine", cluster/sim_replica.py's engine_config)
     over the workload of `cfg` (same seed -> same requests). record_admissions: fill
-    SimResult.admitted (cluster/sim_pooled.py's per-replica replay)."""
+    SimResult.admitted and SimResult.holds (cluster/sim_pooled.py's replays)."""
     t0 = time.perf_counter()
     router_name, _, cfg = engine_config(policy, cfg)
     top = frozenset(adapter_name(k) for k in range(cfg.num_replicas * cfg.max_loras))
@@ -191,6 +193,9 @@ def simulate(
         forced_eviction_share=sum(r.forced_evictions for r in replicas)
         / max(1, sum(r.evictions for r in replicas)),
         admitted=[r.admitted or [] for r in replicas],
+        holds=[(r.admitted_at, r.finish, r.adapter) for r in done if r.adapter]
+        if record_admissions
+        else [],
     )
 
 

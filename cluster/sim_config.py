@@ -122,6 +122,7 @@ class Request:
     finish: float = -1.0
     cached_tokens: int = 0  # prompt tokens the replica's prefix cache served
     first: float = -1.0  # first-token time before the stalls that come after admission
+    admitted_at: float = -1.0  # when the engine admitted it (its adapter's slot held from then)
     stall_index: int = 0  # replica stalls recorded before this request's admission
     stall_seen: float = 0.0  # replica.stall_total when finish was last moved
 

@@ -30,7 +30,9 @@ slot held by a running request (`replica_replay`). The engine loads on exactly t
 sequences, so Belady there is its floor; the gap from the engine's loads to the learning
 rules is what running requests holding slots cost (it also prints how many evictions could
 not take the adapter the rule ranks last), and the gap from the pool is what the split into
-replicas costs.
+replicas costs. It then runs the run's requests through the one pool again, each holding its
+adapter's slot while it ran in the run (`pinned_pool_loads`): what running requests cost
+without the split.
 
     python -m cluster.sim_pooled --point 18          # both seeds, 20,000 requests each
     python -m cluster.sim_pooled --point 23 --per-replica affinity,ray_multiplex@raylora
@@ -123,6 +125,58 @@ def rule_loads(cfg: SimConfig, rule: str, seq: Sequence[str], slots: int) -> int
     raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
 
 
+def pinned_pool_loads(cfg: SimConfig, holds: Sequence[tuple[float, float, str]], rule: str) -> int:
+    """Loads of one pool of the fleet's n x max_loras slots over a run's adapter requests
+    (`SimResult.holds`) in the order they were admitted, each holding its adapter's slot from
+    its admission to its finish as in the run: an adapter with a request running is not
+    evicted (with every slot held, the load is counted and the pool runs over until one is
+    idle). At a miss the idle adapter `rule` ranks last goes (the least recently admitted
+    among equals): `belady` the one admitted again last, `oracle` the smallest share of the
+    workload's law, `lfu` the fewest admissions so far. What running requests cost one pool,
+    against `pooled_loads` (no slot ever held) and `replica_replay` (the split without them)."""
+    if rule not in ("belady", "oracle", "lfu"):
+        raise ValueError(f"rule must be belady, oracle or lfu, got {rule!r}")
+    # at equal times a finish frees its slot before an admission takes one
+    events = sorted([(t1, 0, a) for _, t1, a in holds] + [(t0, 1, a) for t0, _, a in holds])
+    admits = [a for _, kind, a in events if kind]
+    nxt = [len(admits)] * len(admits)  # the index of each adapter's next admission
+    seen: dict[str, int] = {}
+    for i in range(len(admits) - 1, -1, -1):
+        nxt[i] = seen.get(admits[i], len(admits))
+        seen[admits[i]] = i
+    share = adapter_shares(cfg)
+    counts: Counter = Counter()
+    running: Counter = Counter()
+    next_admit: dict[str, int] = {}
+    key = {
+        "belady": lambda b: -next_admit[b],
+        "oracle": lambda b: share.get(b, 0.0),
+        "lfu": lambda b: counts[b],
+    }[rule]
+    cache: OrderedDict[str, None] = OrderedDict()  # least recently admitted first
+    slots = cfg.num_replicas * cfg.max_loras
+    loads = i = 0
+    for _, kind, a in events:
+        if not kind:
+            running[a] -= 1
+            continue
+        counts[a] += 1
+        next_admit[a] = nxt[i]
+        i += 1
+        if a in cache:
+            cache.move_to_end(a)
+        else:
+            loads += 1
+            idle = [b for b in cache if not running[b]]
+            while len(cache) >= slots and idle:
+                victim = min(idle, key=key)
+                idle.remove(victim)
+                del cache[victim]
+            cache[a] = None
+        running[a] += 1
+    return loads
+
+
 def replica_replay(cfg: SimConfig, policy: str = "affinity") -> tuple[SimResult, dict[str, int]]:
     """Run `policy`, then replay each replica's adapters, in the order its engine admitted
     them, offline through a cache of its max_loras slots by every rule (no slot ever held by
@@ -189,6 +243,14 @@ def main(argv: list[str] | None = None) -> None:
                 f"offline with {cfg.max_loras} slots, none busy: {offline}; "
                 f"{run.forced_eviction_share:.0%} of its engine's evictions could not take "
                 "the adapter its rule ranks last (running)"
+            )
+            pinned = "  ".join(
+                f"{r} {pinned_pool_loads(cfg, run.holds, r) * per_1k:.1f}"
+                for r in ("belady", "oracle", "lfu")
+            )
+            print(
+                f"    its requests in one pool of {cfg.num_replicas * cfg.max_loras} slots, "
+                f"each holding its slot while it ran as in the run: {pinned}"
             )
     if len(seeds) > 1 and ratios["affinity"]:
         print(f"over {len(ratios['affinity'])} seeds, slot loads / {PEER}'s:")

@@ -320,6 +320,7 @@ class Replica:
                     break
                 adapter = pick
             req = self._pop(adapter)
+            req.admitted_at = now
             ready = now
             if adapter:
                 if self.admitted is not None:
