@@ -27,6 +27,8 @@ lock, so no step runs meanwhile, as vLLM's worker reads it inside the step):
                      (max_moves 1, deployments/placement.py `rebalance`; off as it ships)
   affinity_no_tier   affinity on raylora's engine without the shared adapter tier (every
                      replica reads each adapter from disk itself)
+  affinity_spread    affinity with min_load_bound 1: a replica with a request in flight counts
+                     as full, so a hot adapter spreads over its homes rather than batching
   pow2_no_multiplex  Ray's default router with no ids reported: 2 random replicas (a deployment
                      without `@serve.multiplexed`; not what Ray Serve LLM runs)
 Requests go to the LLMServer deployment through a DeploymentHandle with the adapter as the
@@ -48,7 +50,10 @@ ray_multiplex: fewer slot loads, fewer disk loads (or both at the minimum, one p
 the trace), p99 no worse (within --p99-tolerance, for timing noise on a shared machine).
 
 The model is the tests' tiny random Llama and the adapters tiny random PEFT adapters, built
-once under --workdir: the benchmark measures routing, not the model.
+once under --workdir: the benchmark measures routing, not the model. `--model default` serves
+SmolLM2-135M-Instruct instead, with random adapters of the sizes users train
+(`--adapter-rank 16 --adapter-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj`:
+~20 MB each), so a read or a slot load costs what it costs a user on a CPU.
 """
 
 from __future__ import annotations
@@ -66,7 +71,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.routing_arms import DEFAULT_POLICIES, POLICIES, build_llm_app  # noqa: E402
+from benchmarks.routing_arms import (  # noqa: E402
+    DEFAULT_POLICIES,
+    POLICIES,
+    TINY_ADAPTER,
+    build_assets,
+    build_llm_app,
+)
 from benchmarks.routing_report import gc_text, report  # noqa: E402
 from deployments.gc_heap import freeze_startup_heap, full_collections  # noqa: E402
 from deployments.protocol import GenerateRequest, SamplingSpec  # noqa: E402
@@ -84,24 +95,6 @@ def make_trace(
         t += rng.expovariate(rate)
         trace.append((t, rng.choices(names, weights)[0]))
     return trace
-
-
-def build_assets(workdir: Path, num_adapters: int) -> tuple[str, dict[str, str]]:
-    """The tiny model and `num_adapters` tiny adapters (built once, reused)."""
-    from tests.model_fixtures import make_tiny_llama
-    from tests.serve_fixtures import make_tiny_adapter
-
-    model = workdir / "tiny-llama"
-    if not (model / "config.json").is_file():
-        make_tiny_llama(model)
-    adapters = {}
-    for k in range(num_adapters):
-        name = f"ad{k:02d}"
-        path = workdir / "adapters" / name
-        if not (path / "adapter_config.json").is_file():
-            make_tiny_adapter(model, path, 4, ["q_proj", "v_proj"], seed=k)
-        adapters[name] = str(path)
-    return str(model), adapters
 
 
 def replica_stats(handle, num_replicas: int, timeout_s: float = 60.0) -> dict[str, dict]:
@@ -268,6 +261,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=15.0, help="arrivals per second")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="'tiny' (the tests' tiny random Llama: routing alone), 'default' "
+        "(SmolLM2-135M-Instruct, as `make serve` runs it) or a model folder",
+    )
+    p.add_argument("--adapter-rank", type=int, default=TINY_ADAPTER[0])
+    p.add_argument(
+        "--adapter-targets",
+        default=",".join(TINY_ADAPTER[1]),
+        help="modules the random adapters adapt, comma-separated",
+    )
     p.add_argument("--load-bound-c", type=float, default=None, help="affinity's c (default 1.25)")
     p.add_argument(
         "--router-kwargs",
@@ -305,7 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         x for x in [str(REPO), os.environ.get("PYTHONPATH", "")] if x
     )
-    model, adapters = build_assets(args.workdir, args.adapters)
+    targets = tuple(args.adapter_targets.split(","))
+    model, adapters = build_assets(
+        args.workdir, args.adapters, args.model, args.adapter_rank, targets
+    )
     trace = make_trace(args.requests, args.adapters, args.zipf, args.rate, args.seed)
     counts: dict[str, int] = {}
     for _, a in trace:

@@ -1,12 +1,14 @@
 """The arms of benchmarks/routing.py: what each policy deploys (a router, whether the
 replicas report multiplexed ids, an engine's adapter-cache behaviour) and the LLMServer
-deployment it runs on (`build_llm_app`). The module docstring of benchmarks/routing.py says
+deployment it runs on (`build_llm_app`), and the model and adapters it serves
+(`build_assets`). The module docstring of benchmarks/routing.py says
 what each arm stands for.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 # policy -> (router, replicas report multiplexed ids, adapter-cache behaviour of the engine)
 POLICIES: dict[str, tuple[str, bool, str]] = {
@@ -16,9 +18,14 @@ POLICIES: dict[str, tuple[str, bool, str]] = {
     "pow2_no_multiplex": ("pow2", False, "vllm"),
     "affinity_moves": ("affinity", True, "raylora"),
     "affinity_no_tier": ("affinity", True, "raylora_no_tier"),
+    "affinity_spread": ("affinity", True, "raylora"),
 }
 # policy -> router kwargs it sets (over --router-kwargs)
-POLICY_ROUTER_KWARGS: dict[str, dict] = {"affinity_moves": {"max_moves": 1}}
+POLICY_ROUTER_KWARGS: dict[str, dict] = {
+    "affinity_moves": {"max_moves": 1},
+    # a replica with a request in flight is "full" at light load: spread rather than batch
+    "affinity_spread": {"min_load_bound": 1},
+}
 # the arms run by default: the router as it ships and Ray's, not the option variants
 OPTION_ARMS = {*POLICY_ROUTER_KWARGS, "affinity_no_tier"}
 DEFAULT_POLICIES = tuple(p for p in POLICIES if p not in OPTION_ARMS)
@@ -85,3 +92,45 @@ def build_llm_app(policy: str, args, model: str, adapters: dict[str, str]):
         report_multiplexed_ids=report_ids,
         **ENGINES[engine_kind],
     )
+
+
+TINY_ADAPTER = (4, ("q_proj", "v_proj"))  # rank, target modules: the tiny model's adapters
+
+
+def build_assets(
+    workdir: Path,
+    num_adapters: int,
+    model_name: str = "tiny",
+    rank: int = TINY_ADAPTER[0],
+    targets: tuple[str, ...] = TINY_ADAPTER[1],
+) -> tuple[str, dict[str, str]]:
+    """The model and `num_adapters` random PEFT adapters of `rank` on `targets` for it (built
+    once under `workdir`, reused). model_name: "tiny" (the tests' tiny random Llama, built
+    here), or what `resolve_model` takes ("default": SmolLM2-135M-Instruct, as `make serve`
+    runs it; a model folder)."""
+    from tests.serve_fixtures import make_tiny_adapter
+
+    if model_name == "tiny":
+        from tests.model_fixtures import make_tiny_llama
+
+        model = workdir / "tiny-llama"
+        if not (model / "config.json").is_file():
+            make_tiny_llama(model)
+    else:
+        from engine.models.loader import resolve_model
+
+        model = resolve_model(model_name)
+    kind = (model_name == "tiny", rank, tuple(targets))
+    folder = (
+        "adapters"  # the tiny model's, where earlier runs built them
+        if kind == (True, *TINY_ADAPTER)
+        else f"adapters-{model.name}-r{rank}-{'+'.join(targets)}"
+    )
+    adapters = {}
+    for k in range(num_adapters):
+        name = f"ad{k:02d}"
+        path = workdir / folder / name
+        if not (path / "adapter_config.json").is_file():
+            make_tiny_adapter(model, path, rank, list(targets), seed=k)
+        adapters[name] = str(path)
+    return str(model), adapters

@@ -39,3 +39,30 @@ def test_routing_benchmark_smoke(tmp_path):
     verdicts = [line.split()[0] for line in out.splitlines() if line.startswith("  ")]
     verdicts = [v for v in verdicts if v in ("met", "NOT")]
     assert len(verdicts) == 3, out[-2000:]  # one per criterion: slot loads, disk loads, p99
+
+
+@pytest.mark.timeout(120)
+def test_assets_for_another_model_and_adapter_size(tmp_path):
+    """`--model` with a folder and another rank and targets: the adapters are built for that
+    model, with that rank and those modules, in their own folder; built once."""
+    import json
+    from pathlib import Path
+
+    from benchmarks.routing_arms import build_assets
+    from tests.model_fixtures import make_tiny_llama
+
+    folder = make_tiny_llama(tmp_path / "other-llama")
+    model, adapters = build_assets(tmp_path, 2, str(folder), 2, ("q_proj", "down_proj"))
+    assert model == str(folder) and sorted(adapters) == ["ad00", "ad01"]
+    for path in adapters.values():
+        config = json.loads((Path(path) / "adapter_config.json").read_text())
+        assert config["r"] == 2 and set(config["target_modules"]) == {"q_proj", "down_proj"}
+        assert "adapters-other-llama-r2-q_proj+down_proj" in path
+    stamp = (Path(adapters["ad00"]) / "adapter_config.json").stat().st_mtime_ns
+    assert build_assets(tmp_path, 2, str(folder), 2, ("q_proj", "down_proj"))[1] == adapters
+    assert (Path(adapters["ad00"]) / "adapter_config.json").stat().st_mtime_ns == stamp
+    # the tiny model's rank-4 q/v adapters stay where earlier runs built them
+    tiny, default = build_assets(tmp_path, 1)
+    assert tiny == str(tmp_path / "tiny-llama") and default["ad00"] == str(
+        tmp_path / "adapters" / "ad00"
+    )
