@@ -120,10 +120,9 @@ def build_assets(
         from engine.models.loader import resolve_model
 
         model = resolve_model(model_name)
-    kind = (model_name == "tiny", rank, tuple(targets))
     folder = (
         "adapters"  # the tiny model's, where earlier runs built them
-        if kind == (True, *TINY_ADAPTER)
+        if model_name == "tiny" and (rank, tuple(targets)) == TINY_ADAPTER
         else f"adapters-{model.name}-r{rank}-{'+'.join(targets)}"
     )
     adapters = {}

@@ -55,14 +55,23 @@ from cluster.sim_workload import adapter_ranks, adapter_shares, adapter_trace
 RULES = ("belady", "oracle", "lfu", "lfu-mru", "lru")
 
 
-def belady_loads(seq: Sequence[str], slots: int) -> int:
-    """Loads of a `slots`-entry cache over `seq` evicting the entry asked for again last."""
+PINNED_RULES = ("belady", "oracle", "lfu")  # pinned_pool_loads' rules
+
+
+def next_uses(seq: Sequence[str]) -> list[int]:
+    """For each position of `seq`, the position where its item comes again (len(seq): never)."""
     never = len(seq)
     nxt = [never] * len(seq)
     seen: dict[str, int] = {}
     for i in range(len(seq) - 1, -1, -1):
         nxt[i] = seen.get(seq[i], never)
         seen[seq[i]] = i
+    return nxt
+
+
+def belady_loads(seq: Sequence[str], slots: int) -> int:
+    """Loads of a `slots`-entry cache over `seq` evicting the entry asked for again last."""
+    nxt = next_uses(seq)
     cache: dict[str, int] = {}  # adapter -> its next request
     heap: list[tuple[int, str]] = []  # (-next request, adapter); stale entries skipped
     loads = 0
@@ -134,16 +143,11 @@ def pinned_pool_loads(cfg: SimConfig, holds: Sequence[tuple[float, float, str]],
     among equals): `belady` the one admitted again last, `oracle` the smallest share of the
     workload's law, `lfu` the fewest admissions so far. What running requests cost one pool,
     against `pooled_loads` (no slot ever held) and `replica_replay` (the split without them)."""
-    if rule not in ("belady", "oracle", "lfu"):
+    if rule not in PINNED_RULES:
         raise ValueError(f"rule must be belady, oracle or lfu, got {rule!r}")
     # at equal times a finish frees its slot before an admission takes one
     events = sorted([(t1, 0, a) for _, t1, a in holds] + [(t0, 1, a) for t0, _, a in holds])
-    admits = [a for _, kind, a in events if kind]
-    nxt = [len(admits)] * len(admits)  # the index of each adapter's next admission
-    seen: dict[str, int] = {}
-    for i in range(len(admits) - 1, -1, -1):
-        nxt[i] = seen.get(admits[i], len(admits))
-        seen[admits[i]] = i
+    nxt = next_uses([a for _, kind, a in events if kind])  # each admission's next, by index
     share = adapter_shares(cfg)
     counts: Counter = Counter()
     running: Counter = Counter()
@@ -245,8 +249,7 @@ def main(argv: list[str] | None = None) -> None:
                 "the adapter its rule ranks last (running)"
             )
             pinned = "  ".join(
-                f"{r} {pinned_pool_loads(cfg, run.holds, r) * per_1k:.1f}"
-                for r in ("belady", "oracle", "lfu")
+                f"{r} {pinned_pool_loads(cfg, run.holds, r) * per_1k:.1f}" for r in PINNED_RULES
             )
             print(
                 f"    its requests in one pool of {cfg.num_replicas * cfg.max_loras} slots, "
