@@ -255,6 +255,9 @@ class AdapterRegistry:
     def shared_claim(self, key: Key, owner: str) -> tuple[str, list | None]:
         return self._shared.claim(key, owner)
 
+    def shared_has(self, key: Key) -> bool:
+        return self._shared.has(key)
+
     def shared_abandon(self, key: Key, owner: str) -> None:
         self._shared.abandon(key, owner)
 

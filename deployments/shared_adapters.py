@@ -7,15 +7,18 @@ moved off a busy one, each costs a cold read (seconds from object storage). With
 reader parses and validates the adapter, `ray.put`s it and registers the ref with the
 registry actor; the others fetch it (a copy across the cluster's network, no parsing). The
 reader owns the object: when it goes (scaled down, failed), its copies go with it, and the
-next reader of each reads from disk and shares again. docs/routing.md has what it does
-to the routing sweep.
+next reader of each reads from disk and shares again. An adapter in a local folder is read
+where it is before asking, unless this replica's local reads measured slow (a network mount;
+LoRAManager.tier_first), and offered to the tier: the first offer of each is kept, for
+replicas on nodes without the folder. docs/routing.md has what the tier does to the routing
+sweep.
 
 - `SharedAdapterStore` (inside the registry actor): key -> the adapter's ref, LRU under a byte
   budget. A key is (model, adapter name, source): another deployment's model never gets it, and
   loading a name from another source is another key. The load and unload APIs drop every key
   of the name (AdapterRegistry.register_adapter / unregister_adapter).
-- `RayAdapterTier` (in each replica, engine.lora.manager.AdapterTier): fetch, publish and
-  abandon. Never raises: a tier that fails (registry gone, the owner of the copy gone, a
+- `RayAdapterTier` (in each replica, engine.lora.manager.AdapterTier): fetch, publish, offer
+  and abandon. Never raises: a tier that fails (registry gone, the owner of the copy gone, a
   timeout) is a miss, the read goes to disk, and a lost copy's key is forgotten.
 - One read at a time per key (single flight): the miss that sends a replica to the cold tier
   is a *claim* on the key (`SharedAdapterStore.claim`), and a replica that misses while
@@ -106,6 +109,10 @@ class SharedAdapterStore:
         self.misses += 1
         self.reading[key] = (owner, now)
         return "read", None
+
+    def has(self, key: Key) -> bool:
+        """Is a copy kept under `key`? (Not a fetch: counts nothing, moves nothing.)"""
+        return key in self.entries
 
     def abandon(self, key: Key, owner: str) -> None:
         """`owner`'s read of `key` failed: its claim ends (a waiter reads next)."""
@@ -226,11 +233,22 @@ class RayAdapterTier:
         except Exception as e:  # the claim expires by itself after DEFAULT_CLAIM_S
             logger.warning("raylora: could not end the read claim on %s (%s)", lora.lora_name, e)
 
+    def offer(self, lora: LoRARequest, adapter: LoRAAdapter) -> None:
+        """Share an adapter this replica read without asking the tier first (a local folder,
+        LoRAManager.tier_first) if the tier lacks it, for replicas on nodes without the
+        folder: in the background thread, a registry call, and a put only for the first
+        offer of each key (every replica on the folder's node offers what it reads)."""
+        self._enqueue(lora, adapter, True)
+
     def publish(self, lora: LoRARequest, adapter: LoRAAdapter) -> None:
-        """Share an adapter this replica read: handed to a background thread, so the request
-        that read it does not wait for the ray.put and the registry call (on the real routing
-        benchmark they cost a first touch ~5 ms to its first token on a busy replica). A
-        replica waiting for the copy meanwhile polls until it lands (single flight)."""
+        """Share an adapter this replica read after a miss: handed to a background thread, so
+        the request that read it does not wait for the ray.put and the registry call (on the
+        real routing benchmark they cost a first touch ~5 ms to its first token on a busy
+        replica). A replica waiting for the copy meanwhile polls until it lands (single
+        flight)."""
+        self._enqueue(lora, adapter, False)
+
+    def _enqueue(self, lora: LoRARequest, adapter: LoRAAdapter, offered: bool) -> None:
         with self._publishing_lock:
             if self._publishing is None:
                 self._publishing = queue.SimpleQueue()
@@ -238,18 +256,26 @@ class RayAdapterTier:
                     target=self._publish_loop, name="raylora-tier-publish", daemon=True
                 )
                 thread.start()
-            self._publishing.put((lora, adapter))
+            self._publishing.put((lora, adapter, offered))
 
     def _publish_loop(self) -> None:
         assert self._publishing is not None
         while True:
-            lora, adapter = self._publishing.get()
-            self._publish_now(lora, adapter)
+            lora, adapter, offered = self._publishing.get()
+            self._publish_now(lora, adapter, offered)
 
-    def _publish_now(self, lora: LoRARequest, adapter: LoRAAdapter) -> None:
-        """What publish does, in the caller's thread."""
+    def _publish_now(self, lora: LoRARequest, adapter: LoRAAdapter, offered: bool = False) -> None:
+        """What publish (offered: offer) does, in the caller's thread."""
         import ray
 
+        if offered:  # nobody holds a claim on an offer: skip it where a copy is kept
+            try:
+                key = self.key(lora)
+                if ray.get(self.registry.shared_has.remote(key), timeout=self.registry_timeout_s):
+                    return
+            except Exception as e:  # no registry now: nothing to share with
+                logger.warning("raylora: could not offer %s to the tier (%s)", lora.lora_name, e)
+                return
         try:
             # This replica owns the copy (Ray 2.56 removed ray.put's _owner): the registry's
             # ref keeps it alive as long as the replica lives; after that a fetch fails, is

@@ -31,16 +31,29 @@ from raylora_kernels import SlotWeights
 class AdapterTier(Protocol):
     """A tier between the CPU cache and disk/Hub that replicas share (on Ray Serve the object
     store, deployments/shared_adapters.py): an adapter one replica read is fetched there by the
-    others instead of being read again. The calls block (a worker thread makes them) and
-    never raise: a tier that fails is a miss, and the read goes to disk/Hub. A miss may be
-    a claim on the read (the others wait for this replica's copy): the reader then publishes
-    what it read, or abandons the read if it failed."""
+    others instead of being read again. The calls never raise: a tier that fails is a miss,
+    and the read goes to disk/Hub. `fetch` blocks (a worker thread makes it); a miss may be a
+    claim on the read (the others wait for this replica's copy): the reader then publishes
+    what it read, or abandons the read if it failed. `offer` shares what a replica read
+    without asking first (a local folder), if the tier lacks it: a replica on a node without
+    the folder may ask for it. publish and offer return at once (the sharing runs aside)."""
 
     def fetch(self, lora: LoRARequest) -> LoRAAdapter | None: ...
 
     def publish(self, lora: LoRARequest, adapter: LoRAAdapter) -> None: ...
 
+    def offer(self, lora: LoRARequest, adapter: LoRAAdapter) -> None: ...
+
     def abandon(self, lora: LoRARequest) -> None: ...
+
+
+# A local folder is read before asking the tier unless its reads take this long (moving
+# average). Asking costs a registry round trip and, on a hit, a copy out of the object store;
+# measured on the real routing benchmark (SmolLM2-135M, 19 MB adapters read in 38 ms here, a
+# fetch measured faster), asking first cost the tail: p99 1.13x / 1.05x / 1.21x the peer's
+# against 1.06x / 0.98x reading locally (docs/benchmarks.md). Reads this slow are a network
+# mount or adapters of hundreds of MB, where a copy from memory can save the request path.
+SLOW_LOCAL_READ_S = 0.25
 
 
 class LoRAManager:
@@ -95,9 +108,8 @@ class LoRAManager:
     def read_lora(self, lora: LoRARequest, tier: AdapterTier | None = None) -> LoRAAdapter:
         """Read and validate an adapter (raises LoRAError). Uses only the immutable model spec,
         so it is safe in a worker thread while the engine steps (the content hash too).
-        tier: ask it first (`tier_first`); what is read from disk/Hub after asking it is
-        published there. A replica that reads local folders itself does not publish them:
-        it found asking slower, and so would its peers."""
+        tier: ask it first where `tier_first`, and publish there what is read after asking;
+        a local folder read without asking is offered to it (shared if it lacks it)."""
         local, use_tier = self._read_source(lora, tier)
         if use_tier:
             t0 = time.perf_counter()
@@ -121,6 +133,8 @@ class LoRAManager:
             self.local_read_cpu_s = _average(self.local_read_cpu_s, time.thread_time() - cpu0)
         if use_tier:  # ends this replica's claim on the key, if the fetch made one
             tier.publish(lora, adapter)
+        elif tier is not None and local:
+            tier.offer(lora, adapter)
         return adapter
 
     def read_costs_ms(self) -> dict[str, float | None]:
@@ -135,14 +149,16 @@ class LoRAManager:
     def tier_first(self, local: bool) -> bool:
         """Ask the shared tier before reading? Always for a source that is not a local folder
         (a Hub or object-storage download: seconds, and every replica would pay it). For a
-        local folder, unless this replica measured asking the tier (a hit or a miss) slower
-        than a local read: small adapters on a local disk read in a millisecond or two, and
-        asking (a registry call, an object-store get) took longer on the real 4-replica app
-        (a first touch 9 ms to its first token against 4.9 without the tier,
-        docs/benchmarks.md)."""
-        if not local or self.local_read_s is None or self.tier_fetch_s is None:
+        local folder, only once its reads measured slow (SLOW_LOCAL_READ_S), and then unless
+        asking (a hit or a miss) measured slower still: adapters on a local disk read in
+        milliseconds (KB-sized) to tens of them (19 MB: 38 ms), and asking first cost more
+        than it saved on the real app (a first touch 9 ms to its first token against 4.9
+        with KB-sized adapters; p99 1.13x against 1.06x with 19 MB ones, docs/benchmarks.md)."""
+        if not local:
             return True
-        return self.tier_fetch_s <= self.local_read_s
+        if self.local_read_s is None or self.local_read_s < SLOW_LOCAL_READ_S:
+            return False
+        return self.tier_fetch_s is None or self.tier_fetch_s <= self.local_read_s
 
     def quick_read(self, lora: LoRARequest, tier: AdapterTier | None = None) -> bool:
         """Is reading `lora` quick enough to make under the engine lock, as vLLM reads in its
