@@ -9,7 +9,8 @@ thread: streams on this replica go on while an adapter is read from disk or the 
 stays in the CPU cache and in the slots: the adapters this replica is asked for most (its
 decayed request counts, `adapter_eviction="frequency"`; "lru" is vLLM's). The reporter tells
 the registry and, through `record_routing_stats`, the AdapterAffinityRouter. An adapter
-another replica already read is fetched from the Ray object store instead of read again
+another replica already downloaded is fetched from the Ray object store instead of
+downloaded again, and one read from a local folder is shared with nodes without the folder
 (`shared_adapter_tier`, default on; deployments/shared_adapters.py). With
 `report_multiplexed_ids` (default on) the replica also reports its CPU-cache adapters to Ray
 Serve as its multiplexed model ids, as a `@serve.multiplexed` replica does
@@ -29,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import ExitStack
@@ -43,6 +43,7 @@ from deployments.multiplexed_ids import MultiplexedIdReporter, push_for_this_rep
 from deployments.placement import EVICTION_HALF_LIFE, AdapterPopularity
 from deployments.protocol import APIError, GenerateRequest, ReplicaOutput
 from deployments.replica_io import (
+    AutoscalingSampler,
     RequestMetrics,
     adapter_entry,
     initial_adapters,
@@ -116,8 +117,7 @@ class LLMServer:
         self._num_aborted = 0  # requests whose caller went away before they finished
         self._num_requests = 0  # requests received, ever
         self._adapter_inflight: dict[str, int] = {}  # adapter -> requests in flight here
-        # (monotonic time, num_requests, slot activations) at the last autoscaling sample
-        self._autoscaling_sample = (time.monotonic(), 0, 0)
+        self._autoscaling = AutoscalingSampler()
         self.reporter = ReplicaReporter(
             self.engine,
             self.replica_id,
@@ -205,7 +205,12 @@ class LLMServer:
             # an adapter not in the CPU cache is read by the engine as it adds the request, off
             # the step (one read for the requests that wait for it): reported to Ray's router
             # meanwhile, as Ray's multiplexed wrapper reports a model being loaded
-            if adapter and self._multiplex and not self._read_in_step and adapter not in self._in_cpu:
+            if (
+                adapter
+                and self._multiplex
+                and not self._read_in_step
+                and adapter not in self._in_cpu
+            ):
                 reading.enter_context(self._multiplex.loading(adapter))
             gen = self.engine.generate(prompt, params, request.request_id, lora_request)
             first = True
@@ -331,32 +336,13 @@ class LLMServer:
         }
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """Custom autoscaling metrics for cluster.autoscaling.AdapterAwarePolicy. Ray Serve
-        calls this every look_back_period_s x 0.2 when the deployment autoscales and averages
-        each metric per replica over look_back_period_s.
-
-        num_waiting_for_slot counts in-flight requests whose adapter is not in a slot, but
-        only while more distinct adapters are in flight than there are slots (otherwise an
-        idle slot can be taken at the next step and nobody is blocked on slots).
-        """
-        stats = self.engine.latest_stats()
-        now = time.monotonic()
-        num_activations = int(stats.get("lora", {}).get("activations", 0))
-        last_time, last_requests, last_activations = self._autoscaling_sample
-        self._autoscaling_sample = (now, self._num_requests, num_activations)
-        dt = max(now - last_time, 1e-3)
-        wanted = self._adapter_inflight
-        blocked = 0
-        if len(wanted) > self._max_loras:
-            in_slots = set(stats["adapters_in_slots"])
-            blocked = sum(n for name, n in wanted.items() if name not in in_slots)
-        return {
-            "num_adapters_wanted": float(len(wanted)),
-            "max_loras": float(self._max_loras),
-            "num_waiting_for_slot": float(blocked),
-            "adapter_loads_per_s": (num_activations - last_activations) / dt,
-            "requests_per_s": (self._num_requests - last_requests) / dt,
-        }
+        """Custom autoscaling metrics for cluster.autoscaling.AdapterAwarePolicy
+        (replica_io.AutoscalingSampler). Ray Serve calls this every look_back_period_s x 0.2
+        when the deployment autoscales and averages each metric per replica over
+        look_back_period_s."""
+        return self._autoscaling.sample(
+            self.engine.latest_stats(), self._num_requests, self._adapter_inflight, self._max_loras
+        )
 
     # ------------------------------------------------------------------ info + lifecycle
 

@@ -1,7 +1,7 @@
 """What goes in and out of an LLMServer replica besides the engine itself: catalog entries for
 adapter folders, engine outputs as ReplicaOutputs (deployments/protocol.py; what
 deployments/responses.py turns into OpenAI responses), engine errors as APIError, and the
-replica-side request metrics.
+replica-side request and autoscaling metrics.
 
 Engine imports stay inside the functions: the ingress imports this package without torch.
 """
@@ -170,3 +170,43 @@ def prompt_entry(
     if top is None:
         return TokenLogprob(token=token_text(token_id), logprob=None, top={})
     return token_entry(token_id, top, token_text)
+
+
+class AutoscalingSampler:
+    """The custom autoscaling metrics an LLMServer reports (`record_autoscaling_stats`, for
+    cluster.autoscaling.AdapterAwarePolicy); rates are since the previous sample.
+
+    num_waiting_for_slot counts in-flight requests whose adapter is not in a slot, but only
+    while more distinct adapters are in flight than there are slots (otherwise an idle slot
+    can be taken at the next step and nobody is blocked on slots).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        # (time, requests received, slot activations) at the last sample
+        self.last: tuple[float, int, int] = (clock(), 0, 0)
+
+    def sample(
+        self,
+        stats: dict[str, Any],
+        num_requests: int,
+        adapter_inflight: dict[str, int],
+        max_loras: int,
+    ) -> dict[str, float]:
+        """stats: the engine's latest_stats(); adapter_inflight: adapter -> requests in flight."""
+        now = self.clock()
+        num_activations = int(stats.get("lora", {}).get("activations", 0))
+        last_time, last_requests, last_activations = self.last
+        self.last = (now, num_requests, num_activations)
+        dt = max(now - last_time, 1e-3)
+        blocked = 0
+        if len(adapter_inflight) > max_loras:
+            in_slots = set(stats["adapters_in_slots"])
+            blocked = sum(n for name, n in adapter_inflight.items() if name not in in_slots)
+        return {
+            "num_adapters_wanted": float(len(adapter_inflight)),
+            "max_loras": float(max_loras),
+            "num_waiting_for_slot": float(blocked),
+            "adapter_loads_per_s": (num_activations - last_activations) / dt,
+            "requests_per_s": (num_requests - last_requests) / dt,
+        }
