@@ -116,8 +116,9 @@ APP_ARGS: dict[str, tuple[Any, Any, str]] = {
     "shared_adapter_tier": (
         _bool,
         True,
-        "the first replica to read an adapter shares it through the Ray object store; the "
-        "others fetch it instead of reading it cold (deployments/shared_adapters.py)",
+        "the first replica to download an adapter shares it through the Ray object store; "
+        "the others fetch it instead of downloading it (local folders are read where they "
+        "are, and shared with nodes without them; deployments/shared_adapters.py)",
     ),
     "shared_tier_mb": (
         int,
