@@ -29,6 +29,8 @@ lock, so no step runs meanwhile, as vLLM's worker reads it inside the step):
                      replica reads each adapter from disk itself)
   affinity_spread    affinity with min_load_bound 1: a replica with a request in flight counts
                      as full, so a hot adapter spreads over its homes rather than batching
+  affinity_bound2    affinity with min_load_bound 2 (4 as it ships): spreading starts at a
+                     replica's second request in flight
   pow2_no_multiplex  Ray's default router with no ids reported: 2 random replicas (a deployment
                      without `@serve.multiplexed`; not what Ray Serve LLM runs)
 Requests go to the LLMServer deployment through a DeploymentHandle with the adapter as the

@@ -19,12 +19,15 @@ POLICIES: dict[str, tuple[str, bool, str]] = {
     "affinity_moves": ("affinity", True, "raylora"),
     "affinity_no_tier": ("affinity", True, "raylora_no_tier"),
     "affinity_spread": ("affinity", True, "raylora"),
+    "affinity_bound2": ("affinity", True, "raylora"),
 }
 # policy -> router kwargs it sets (over --router-kwargs)
 POLICY_ROUTER_KWARGS: dict[str, dict] = {
     "affinity_moves": {"max_moves": 1},
     # a replica with a request in flight is "full" at light load: spread rather than batch
     "affinity_spread": {"min_load_bound": 1},
+    # between the two: a second request in flight on a replica is where spreading starts
+    "affinity_bound2": {"min_load_bound": 2},
 }
 # the arms run by default: the router as it ships and Ray's, not the option variants
 OPTION_ARMS = {*POLICY_ROUTER_KWARGS, "affinity_no_tier"}
