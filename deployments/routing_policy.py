@@ -193,7 +193,13 @@ def rank_replicas(
     None). A *holder* has the adapter in a slot or in its CPU cache.
     An adapter stays on its holders: moving it costs a cold read there and the eviction of
     someone else's adapter, so only Ray's queue cap (max_ongoing_requests, applied by Ray
-    to every tier) or the placement moves it on.
+    to every tier) or the placement moves it on. One exception, before tier 0 in both
+    cases below: where every holder under the bound with it in a slot runs a request, the
+    idle ones with it in the CPU cache (`_idle_first`): a slot load there, not a read,
+    rather than a prefill in the step of a running request (on the real app, 19 MB
+    adapters, affinity's slowest requests had arrived with 0.8-1.2 requests running on
+    their replica against the peer's 0.3-0.7; docs/benchmarks.md). At the sweep's loads
+    no replica is idle and it never applies.
 
     Without `home` (the adapter is not hot enough to be placed, deployments/placement.py):
       tier 0: holders under the bound with it in a slot (Ray takes the least loaded);
@@ -246,6 +252,7 @@ def rank_replicas(
         under_ids = {r.replica_id for r in under}
         by_id = {r.replica_id: r for r in ranked}
         homes = [by_id[h] for h in home if h in under_ids]  # in the placement's order
+        _idle_first(tiers, adapter_id, homes)
         tiers.add([r for r in homes if adapter_id in r.adapters_in_slots])
         tiers.add([r for r in homes if r.in_cpu(adapter_id)])
         tiers.add([r for r in homes if not r.holds(adapter_id) and not r.in_cpu(adapter_id)][:1])
@@ -258,6 +265,7 @@ def rank_replicas(
             return tail is not None and r.slots_taken(adapter_id, max_loras, tail)
 
         free = [r for r in under if not kept(r)]
+        _idle_first(tiers, adapter_id, free)
         tiers.add([r for r in free if adapter_id in r.adapters_in_slots])
         tiers.add([r for r in free if r.in_cpu(adapter_id)])
         holding = [r for r in ranked if r.holds(adapter_id) or r.in_cpu(adapter_id)]
@@ -311,6 +319,14 @@ def _ordered(
     ranked = [by_id[i] for i in rendezvous_order(key, list(by_id))]
     total = sum(r.load for r in replicas)
     return ranked, load_bound(total, len(replicas), c, min_bound, max_batch)
+
+
+def _idle_first(tiers: _Tiers, adapter_id: str, cands: list[ReplicaView]) -> None:
+    """Where every slot holder among `cands` runs a request, an idle one holding the adapter
+    in its CPU cache first: a slot load there rather than a step shared with a running one."""
+    in_slot = [r for r in cands if adapter_id in r.adapters_in_slots]
+    if in_slot and min(r.load for r in in_slot) >= 1:
+        tiers.add([r for r in cands if r.load == 0 and adapter_id in r.adapters_in_cpu])
 
 
 class _Tiers:

@@ -160,9 +160,18 @@ def ref_rank_adapter(
     cpu = {r.replica_id for r in replicas if adapter in r.adapters_in_cpu}
     holds = slot | cpu
     under_ids = {r.replica_id for r in under}
+    load = {r.replica_id: r.load for r in replicas}
+
+    def idle_first(cands: set) -> set:
+        """every slot holder among cands runs a request: the idle CPU holders among them"""
+        if cands & slot and min(load[i] for i in cands & slot) >= 1:
+            return {i for i in cands & cpu if load[i] == 0}
+        return set()
+
     if home:
         growth = [h for h in home if h in under_ids and h not in holds][:1]
         tiers = [
+            idle_first(under_ids & set(home)),
             under_ids & set(home) & slot,
             under_ids & set(home) & cpu,
             set(growth),
@@ -187,7 +196,7 @@ def ref_rank_adapter(
             }
         free = [r for r in under if r.replica_id not in taken]
         free_ids = {r.replica_id for r in free}
-        tiers = [free_ids & slot, free_ids & cpu]
+        tiers = [idle_first(free_ids), free_ids & slot, free_ids & cpu]
         if tail and free and holds:
             # a replica that would read it from disk only if every holder's slots run others
             busy = {
@@ -199,7 +208,9 @@ def ref_rank_adapter(
             to = [r for r in free if waits or r.reads_shared]
             tiers.append(holds - taken)
             if to:
-                tiers.append({min(to, key=lambda r: (kept(r), r.load, order[r.replica_id])).replica_id})
+                tiers.append(
+                    {min(to, key=lambda r: (kept(r), r.load, order[r.replica_id])).replica_id}
+                )
         tiers.append(holds)
         seen = set().union(*tiers)
         cands = [r for r in free if r.replica_id not in seen]
@@ -279,8 +290,18 @@ def test_rank_adapter_matches_reference(
     tail=st.sampled_from([None, False, True]),
 )
 def test_rank_tail_adapter_matches_reference(
-    loads, slot_mask, cpu_mask, running, in_slots, self_running, shared_mask, others, c,
-    min_bound, max_loras, tail,
+    loads,
+    slot_mask,
+    cpu_mask,
+    running,
+    in_slots,
+    self_running,
+    shared_mask,
+    others,
+    c,
+    min_bound,
+    max_loras,
+    tail,
 ):
     # "other-j": running on replica i for j < running[i], in its slots for j < in_slots[i]
     # (running ones too); the even-numbered are popular, the odd ones in the tail
@@ -322,13 +343,28 @@ def test_a_tail_adapter_goes_where_slots_are_free_not_to_a_holder_whose_slots_ar
     # r0 holds "t" in its CPU cache, but 2 other adapters it sent there take both slots:
     # "t" would wait there; r2 runs one adapter (a free slot), r1 two of its own.
     reps = [
-        ReplicaView("r0", 3, frozenset({"x", "y"}), frozenset({"t", "x", "y"}),
-                    adapters_running=frozenset({"x", "y"})),
-        ReplicaView("r1", 2, frozenset({"u", "v"}), frozenset({"u", "v"}),
-                    adapters_running=frozenset({"u", "v"})),
+        ReplicaView(
+            "r0",
+            3,
+            frozenset({"x", "y"}),
+            frozenset({"t", "x", "y"}),
+            adapters_running=frozenset({"x", "y"}),
+        ),
+        ReplicaView(
+            "r1",
+            2,
+            frozenset({"u", "v"}),
+            frozenset({"u", "v"}),
+            adapters_running=frozenset({"u", "v"}),
+        ),
         ReplicaView("r2", 2, frozenset({"w"}), frozenset({"w"}), adapters_running=frozenset({"w"})),
-        ReplicaView("r3", 1, frozenset({"p", "q"}), frozenset({"p", "q"}),
-                    adapters_running=frozenset({"p", "q"})),
+        ReplicaView(
+            "r3",
+            1,
+            frozenset({"p", "q"}),
+            frozenset({"p", "q"}),
+            adapters_running=frozenset({"p", "q"}),
+        ),
     ]
     kw = {"rng": random.Random(0), "max_loras": 2}
 
@@ -339,8 +375,12 @@ def test_a_tail_adapter_goes_where_slots_are_free_not_to_a_holder_whose_slots_ar
     # not tail (a popular adapter waits for its holder: reloading it elsewhere costs more)
     assert rank_replicas("t", reps, in_tail=lambda _: False, **kw)[0] == [reps[0]]
     # the holder with its second slot idle, holding the tail adapter "z", keeps it
-    free = [replace(reps[0], adapters_running=frozenset({"x"}),
-                    adapters_in_slots=frozenset({"x", "z"})), *reps[1:]]
+    free = [
+        replace(
+            reps[0], adapters_running=frozenset({"x"}), adapters_in_slots=frozenset({"x", "z"})
+        ),
+        *reps[1:],
+    ]
     assert rank_replicas("t", free, in_tail=in_tail, **kw)[0] == [free[0]]
     # ... but not when the idle slot holds a popular adapter (the load would evict it): then
     # it goes where a slot is free if a read there is a fetch from the shared tier, not a
@@ -438,3 +478,22 @@ def test_prefix_key_of_a_chat_is_its_conversation_before_the_last_turn():
     assert prefix_routing_key(None, None, [{"role": "user", "content": "y" * 600}]) != ""
     assert prefix_routing_key("short prompt", None, None) == ""
     assert prefix_routing_key(None, list(range(40)), None) == ""
+
+
+def test_an_idle_cpu_holder_comes_before_a_busy_slot_holder():
+    """Every slot holder of "a" runs a request: the idle replica with "a" in its CPU cache is
+    first (a slot load there rather than a prefill in a running step); a busy CPU holder, or
+    a slot holder that is idle itself, changes nothing."""
+    kw = {"load_bound_c": 1.25, "min_load_bound": 4, "count_slack": 0.05, "rng": random.Random(0)}
+    busy_slot, idle_cpu = view("r0", 1, slots=["a"], cpu=["a"]), view("r1", 0, cpu=["a"])
+    idle_other = view("r2", 0, cpu=["b"])
+    tiers = rank_replicas("a", [busy_slot, idle_cpu, idle_other], **kw)
+    assert tiers[:2] == [[idle_cpu], [busy_slot]]
+    busy_cpu = view("r1", 1, cpu=["a"])
+    assert rank_replicas("a", [busy_slot, busy_cpu, idle_other], **kw)[0] == [busy_slot]
+    idle_slot = view("r3", 0, slots=["a"], cpu=["a"])
+    first = rank_replicas("a", [busy_slot, idle_cpu, idle_slot], **kw)[0]
+    assert {r.replica_id for r in first} == {"r0", "r3"}
+    # a hot adapter's homes: the same among them
+    tiers = rank_replicas("a", [busy_slot, idle_cpu, idle_other], home=["r0", "r1"], **kw)
+    assert tiers[:2] == [[idle_cpu], [busy_slot]]
