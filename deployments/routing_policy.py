@@ -252,8 +252,9 @@ def rank_replicas(
         under_ids = {r.replica_id for r in under}
         by_id = {r.replica_id: r for r in ranked}
         homes = [by_id[h] for h in home if h in under_ids]  # in the placement's order
-        _idle_first(tiers, adapter_id, homes)
-        tiers.add([r for r in homes if adapter_id in r.adapters_in_slots])
+        in_slot = [r for r in homes if adapter_id in r.adapters_in_slots]
+        tiers.add(_idle_first(adapter_id, homes, in_slot))
+        tiers.add(in_slot)
         tiers.add([r for r in homes if r.in_cpu(adapter_id)])
         tiers.add([r for r in homes if not r.holds(adapter_id) and not r.in_cpu(adapter_id)][:1])
         tiers.add([r for r in by_load if r.replica_id in home_ids and r.holds(adapter_id)])
@@ -265,8 +266,9 @@ def rank_replicas(
             return tail is not None and r.slots_taken(adapter_id, max_loras, tail)
 
         free = [r for r in under if not kept(r)]
-        _idle_first(tiers, adapter_id, free)
-        tiers.add([r for r in free if adapter_id in r.adapters_in_slots])
+        in_slot = [r for r in free if adapter_id in r.adapters_in_slots]
+        tiers.add(_idle_first(adapter_id, free, in_slot))
+        tiers.add(in_slot)
         tiers.add([r for r in free if r.in_cpu(adapter_id)])
         holding = [r for r in ranked if r.holds(adapter_id) or r.in_cpu(adapter_id)]
         if tail and free and holding:
@@ -321,12 +323,15 @@ def _ordered(
     return ranked, load_bound(total, len(replicas), c, min_bound, max_batch)
 
 
-def _idle_first(tiers: _Tiers, adapter_id: str, cands: list[ReplicaView]) -> None:
-    """Where every slot holder among `cands` runs a request, an idle one holding the adapter
-    in its CPU cache first: a slot load there rather than a step shared with a running one."""
-    in_slot = [r for r in cands if adapter_id in r.adapters_in_slots]
+def _idle_first(
+    adapter_id: str, cands: list[ReplicaView], in_slot: list[ReplicaView]
+) -> list[ReplicaView]:
+    """The tier before `in_slot` (those of `cands` with the adapter in a slot): where each of
+    them runs a request, the idle ones of `cands` holding it in the CPU cache (a slot load
+    there rather than a step shared with a running request); else none."""
     if in_slot and min(r.load for r in in_slot) >= 1:
-        tiers.add([r for r in cands if r.load == 0 and adapter_id in r.adapters_in_cpu])
+        return [r for r in cands if r.load == 0 and adapter_id in r.adapters_in_cpu]
+    return []
 
 
 class _Tiers:

@@ -149,11 +149,9 @@ class LoRAManager:
     def tier_first(self, local: bool) -> bool:
         """Ask the shared tier before reading? Always for a source that is not a local folder
         (a Hub or object-storage download: seconds, and every replica would pay it). For a
-        local folder, only once its reads measured slow (SLOW_LOCAL_READ_S), and then unless
-        asking (a hit or a miss) measured slower still: adapters on a local disk read in
-        milliseconds (KB-sized) to tens of them (19 MB: 38 ms), and asking first cost more
-        than it saved on the real app (a first touch 9 ms to its first token against 4.9
-        with KB-sized adapters; p99 1.13x against 1.06x with 19 MB ones, docs/benchmarks.md)."""
+        local folder, only once its reads measured slow (SLOW_LOCAL_READ_S, which says why),
+        and then unless asking (a hit or a miss) measured slower still. With KB-sized adapters
+        asking first also cost a first touch 9 ms to its first token against 4.9."""
         if not local:
             return True
         if self.local_read_s is None or self.local_read_s < SLOW_LOCAL_READ_S:
