@@ -31,6 +31,11 @@ lock, so no step runs meanwhile, as vLLM's worker reads it inside the step):
                      as full, so a hot adapter spreads over its homes rather than batching
   affinity_bound2    affinity with min_load_bound 2 (4 as it ships): spreading starts at a
                      replica's second request in flight
+  affinity_no_idle   affinity without the idle-CPU-holder rule (idle_first False): a request
+                     goes to a slot holder under the bound even where each one runs a request
+  affinity_no_placement
+                     affinity with no hot adapter placed on k homes (use_placement False): an
+                     adapter stays on its holders and spreads only past the load bound
   pow2_no_multiplex  Ray's default router with no ids reported: 2 random replicas (a deployment
                      without `@serve.multiplexed`; not what Ray Serve LLM runs)
 Requests go to the LLMServer deployment through a DeploymentHandle with the adapter as the

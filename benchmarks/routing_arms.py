@@ -20,6 +20,8 @@ POLICIES: dict[str, tuple[str, bool, str]] = {
     "affinity_no_tier": ("affinity", True, "raylora_no_tier"),
     "affinity_spread": ("affinity", True, "raylora"),
     "affinity_bound2": ("affinity", True, "raylora"),
+    "affinity_no_idle": ("affinity", True, "raylora"),
+    "affinity_no_placement": ("affinity", True, "raylora"),
 }
 # policy -> router kwargs it sets (over --router-kwargs)
 POLICY_ROUTER_KWARGS: dict[str, dict] = {
@@ -28,6 +30,11 @@ POLICY_ROUTER_KWARGS: dict[str, dict] = {
     "affinity_spread": {"min_load_bound": 1},
     # between the two: a second request in flight on a replica is where spreading starts
     "affinity_bound2": {"min_load_bound": 2},
+    # without the idle-CPU-holder rule (rank_replicas' idle_first): a slot holder first
+    "affinity_no_idle": {"idle_first": False},
+    # no hot adapter placed on k homes (deployments/placement.py): where it stays is where
+    # it is held, and it spreads only past the load bound
+    "affinity_no_placement": {"use_placement": False},
 }
 # the arms run by default: the router as it ships and Ray's, not the option variants
 OPTION_ARMS = {*POLICY_ROUTER_KWARGS, "affinity_no_tier"}

@@ -131,6 +131,7 @@ class AdapterAffinityRouter(RequestRouter):
         rebalance_over: float = DEFAULT_REBALANCE_OVER,
         max_moves: int = DEFAULT_MAX_MOVES,
         max_batch: int | None = None,
+        idle_first: bool = True,
     ) -> None:
         if load_bound_c < 1.0:
             raise ValueError(f"load_bound_c must be >= 1, got {load_bound_c}")
@@ -152,6 +153,7 @@ class AdapterAffinityRouter(RequestRouter):
         if max_batch is not None and int(max_batch) < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self._max_batch = None if max_batch is None else int(max_batch)
+        self._idle_first = bool(idle_first)
         # what the placement counts: every routed request, from the first one; the planner
         # is made when the slot count is known (the kwarg, or the replicas' routing stats)
         self._popularity = AdapterPopularity(self._half_life)
@@ -339,6 +341,7 @@ class AdapterAffinityRouter(RequestRouter):
             in_tail=None
             if slots is None
             else partial(self._popularity.in_tail, rank=tail_rank(len(candidate_replicas), slots)),
+            idle_first=self._idle_first,
         )
         self._note_new_read(adapter_id, tiers)
         return [[by_id[v.replica_id] for v in tier] for tier in tiers]

@@ -181,6 +181,7 @@ def rank_replicas(
     max_batch: int | None = None,
     max_loras: int | None = None,
     in_tail: InTail | None = None,
+    idle_first: bool = True,
 ) -> list[list[ReplicaView]]:
     """Rank `replicas` for a request for `adapter_id` ("" = base model).
 
@@ -199,7 +200,7 @@ def rank_replicas(
     rather than a prefill in the step of a running request (on the real app, 19 MB
     adapters, affinity's slowest requests had arrived with 0.8-1.2 requests running on
     their replica against the peer's 0.3-0.7; docs/benchmarks.md). At the sweep's loads
-    no replica is idle and it never applies.
+    no replica is idle and it never applies. `idle_first=False` leaves it out.
 
     Without `home` (the adapter is not hot enough to be placed, deployments/placement.py):
       tier 0: holders under the bound with it in a slot (Ray takes the least loaded);
@@ -253,7 +254,8 @@ def rank_replicas(
         by_id = {r.replica_id: r for r in ranked}
         homes = [by_id[h] for h in home if h in under_ids]  # in the placement's order
         in_slot = [r for r in homes if adapter_id in r.adapters_in_slots]
-        tiers.add(_idle_first(adapter_id, homes, in_slot))
+        if idle_first:
+            tiers.add(_idle_first(adapter_id, homes, in_slot))
         tiers.add(in_slot)
         tiers.add([r for r in homes if r.in_cpu(adapter_id)])
         tiers.add([r for r in homes if not r.holds(adapter_id) and not r.in_cpu(adapter_id)][:1])
@@ -267,7 +269,8 @@ def rank_replicas(
 
         free = [r for r in under if not kept(r)]
         in_slot = [r for r in free if adapter_id in r.adapters_in_slots]
-        tiers.add(_idle_first(adapter_id, free, in_slot))
+        if idle_first:
+            tiers.add(_idle_first(adapter_id, free, in_slot))
         tiers.add(in_slot)
         tiers.add([r for r in free if r.in_cpu(adapter_id)])
         holding = [r for r in ranked if r.holds(adapter_id) or r.in_cpu(adapter_id)]

@@ -497,3 +497,9 @@ def test_an_idle_cpu_holder_comes_before_a_busy_slot_holder():
     # a hot adapter's homes: the same among them
     tiers = rank_replicas("a", [busy_slot, idle_cpu, idle_other], home=["r0", "r1"], **kw)
     assert tiers[:2] == [[idle_cpu], [busy_slot]]
+    # idle_first=False (the benchmark's affinity_no_idle arm): the busy slot holder first
+    for home in (None, ["r0", "r1"]):
+        tiers = rank_replicas(
+            "a", [busy_slot, idle_cpu, idle_other], home=home, idle_first=False, **kw
+        )
+        assert tiers[:2] == [[busy_slot], [idle_cpu]]
