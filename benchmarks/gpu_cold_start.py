@@ -65,23 +65,36 @@ def child(args: argparse.Namespace) -> None:
 
     rounds = []
     for r in range(2):
-        rounds.append([
-            timed([(41, greedy, None)], f"r{r}a"),
-            timed([(41, greedy, lora)], f"r{r}b"),
-            timed([(23, sampled, None)], f"r{r}c"),
-            timed([(19 + 7 * k, (greedy, sampled)[k % 2], (None, lora)[k % 2]) for k in range(8)],
-                  f"r{r}d"),
-        ])
-    print(json.dumps({
-        "arm": args.arm, "build_s": build_s, "warm_up_s": engine.warm_up_seconds,
-        "first_s": rounds[0], "warm_s": rounds[1],
-    }))
+        rounds.append(
+            [
+                timed([(41, greedy, None)], f"r{r}a"),
+                timed([(41, greedy, lora)], f"r{r}b"),
+                timed([(23, sampled, None)], f"r{r}c"),
+                timed(
+                    [(19 + 7 * k, (greedy, sampled)[k % 2], (None, lora)[k % 2]) for k in range(8)],
+                    f"r{r}d",
+                ),
+            ]
+        )
+    print(
+        json.dumps(
+            {
+                "arm": args.arm,
+                "build_s": build_s,
+                "warm_up_s": engine.warm_up_seconds,
+                "first_s": rounds[0],
+                "warm_s": rounds[1],
+            }
+        )
+    )
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true")
-    p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "/tmp"), "gpu_cold_start.json"))
+    p.add_argument(
+        "--json", default=os.path.join(os.environ.get("OUT", "/tmp"), "gpu_cold_start.json")
+    )
     p.add_argument("--arm", choices=("on", "off"), help=argparse.SUPPRESS)  # the child
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--lora", help=argparse.SUPPRESS)
@@ -115,28 +128,38 @@ def main() -> int:
             return 1
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
         r = runs[-1]
-        print(f"warm_up {arm}: build {r['build_s']:.1f} s (warm-up {r['warm_up_s']:.1f} s); "
-              + ", ".join(f"{k} {a * 1e3:.0f} ms (warm {b * 1e3:.0f})"
-                          for k, a, b in zip(REQUESTS, r["first_s"], r["warm_s"], strict=True)),
-              flush=True)
+        print(
+            f"warm_up {arm}: build {r['build_s']:.1f} s (warm-up {r['warm_up_s']:.1f} s); "
+            + ", ".join(
+                f"{k} {a * 1e3:.0f} ms (warm {b * 1e3:.0f})"
+                for k, a, b in zip(REQUESTS, r["first_s"], r["warm_s"], strict=True)
+            ),
+            flush=True,
+        )
     summary = {}
     for arm in ("off", "on"):
         mine = [r for r in runs if r["arm"] == arm]
         summary[arm] = {
             "build_s": statistics.median(r["build_s"] for r in mine),
-            "first_ms": [statistics.median(r["first_s"][i] for r in mine) * 1e3
-                         for i in range(len(REQUESTS))],
-            "warm_ms": [statistics.median(r["warm_s"][i] for r in mine) * 1e3
-                        for i in range(len(REQUESTS))],
+            "first_ms": [
+                statistics.median(r["first_s"][i] for r in mine) * 1e3 for i in range(len(REQUESTS))
+            ],
+            "warm_ms": [
+                statistics.median(r["warm_s"][i] for r in mine) * 1e3 for i in range(len(REQUESTS))
+            ],
         }
     for i, name in enumerate(REQUESTS):
         off, on = summary["off"], summary["on"]
-        print(f"{name:>26}: first request {off['first_ms'][i]:7.0f} ms without warm-up, "
-              f"{on['first_ms'][i]:7.0f} ms with; warm {on['warm_ms'][i]:6.0f} ms; "
-              f"first/warm {off['first_ms'][i] / off['warm_ms'][i]:.1f}x -> "
-              f"{on['first_ms'][i] / on['warm_ms'][i]:.1f}x")
-    print(f"engine build: {summary['off']['build_s']:.1f} s without warm-up, "
-          f"{summary['on']['build_s']:.1f} s with (medians of 2)")
+        print(
+            f"{name:>26}: first request {off['first_ms'][i]:7.0f} ms without warm-up, "
+            f"{on['first_ms'][i]:7.0f} ms with; warm {on['warm_ms'][i]:6.0f} ms; "
+            f"first/warm {off['first_ms'][i] / off['warm_ms'][i]:.1f}x -> "
+            f"{on['first_ms'][i] / on['warm_ms'][i]:.1f}x"
+        )
+    print(
+        f"engine build: {summary['off']['build_s']:.1f} s without warm-up, "
+        f"{summary['on']['build_s']:.1f} s with (medians of 2)"
+    )
     Path(args.json).write_text(json.dumps({"runs": runs, "summary": summary}, indent=1))
     return 0
 

@@ -122,7 +122,10 @@ class DecodeGraphs:
         self.capture_seconds = time.perf_counter() - t0
         logger.info(
             "captured %d decode graphs (sizes %s, lora %s) in %.1f s",
-            len(self.graphs), self.sizes, self.lora_modes, self.capture_seconds,
+            len(self.graphs),
+            self.sizes,
+            self.lora_modes,
+            self.capture_seconds,
         )
 
     def replay(self, size: int, lora: bool) -> torch.Tensor:

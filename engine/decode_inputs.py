@@ -120,7 +120,12 @@ class DecodeInputs:
         n, bs = len(rows), self.block_size
         padded = self.padded_size(n)
         v = self.np
-        ids, pos, slots, tables = v["input_ids"], v["positions"], v["slot_mapping"], v["block_tables"]
+        ids, pos, slots, tables = (
+            v["input_ids"],
+            v["positions"],
+            v["slot_mapping"],
+            v["block_tables"],
+        )
         lens, lora = v["context_lens"], v["token_slots"]
         max_blocks = 1
         for i, (token, p, table, slot) in enumerate(rows):

@@ -80,9 +80,7 @@ class StaticDecode:
             for s in out.scheduled
         )
 
-    def run(self, ordered: list[tuple[object, int]]) -> tuple[
-        list[Sequence], torch.Tensor
-    ]:
+    def run(self, ordered: list[tuple[object, int]]) -> tuple[list[Sequence], torch.Tensor]:
         """ordered: (ScheduledSeq, LoRA slot) in batch order (model_runner.order_by_slot).
         The sequences in row order and their final hidden states [n, hidden]."""
         rows = []

@@ -136,8 +136,7 @@ def warm_up(engine: LLMEngine) -> float:
     greedy = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     kinds = [
         greedy,
-        SamplingParams(max_tokens=steps, temperature=0.8, top_p=0.9, top_k=20,
-                       ignore_eos=True),
+        SamplingParams(max_tokens=steps, temperature=0.8, top_p=0.9, top_k=20, ignore_eos=True),
         SamplingParams(max_tokens=steps, temperature=0.0, logprobs=2, ignore_eos=True),
     ]
     n = 0
@@ -155,10 +154,13 @@ def warm_up(engine: LLMEngine) -> float:
     adapters = [None, lora] if lora is not None else [None]
     # one request alone (batch 1), then a mixed batch: every length, kind and adapter
     run([(PROMPT_LENS[0], greedy, None)])
-    run([
-        (length, kinds[i % len(kinds)], adapters[i % len(adapters)])
-        for i, length in enumerate(PROMPT_LENS)
-    ] + [(PROMPT_LENS[-1], greedy, a) for a in adapters])
+    run(
+        [
+            (length, kinds[i % len(kinds)], adapters[i % len(adapters)])
+            for i, length in enumerate(PROMPT_LENS)
+        ]
+        + [(PROMPT_LENS[-1], greedy, a) for a in adapters]
+    )
     # the same prompts again: prefills that start after a cached prefix
     if engine.config.enable_prefix_caching:
         run([(PROMPT_LENS[-1], greedy, a) for a in adapters])

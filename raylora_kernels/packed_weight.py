@@ -76,9 +76,7 @@ class GreedyHead:
     op: Callable[..., torch.Tensor]
 
     @classmethod
-    def build(
-        cls, pw: PackedWeight, op: Callable[..., torch.Tensor] | None
-    ) -> GreedyHead | None:
+    def build(cls, pw: PackedWeight, op: Callable[..., torch.Tensor] | None) -> GreedyHead | None:
         """None without the op (no AVX512-BF16 build), for an odd K or a weight that is not
         finite (the screen's bound needs finite values)."""
         p, k, _ = pw.data.shape

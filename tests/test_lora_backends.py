@@ -22,7 +22,9 @@ from raylora_kernels import (
 from raylora_kernels.backends import CppOps, CPULoRABackend, TritonLoRABackend, cpp_ops
 from raylora_kernels.packed_weight import PackedWeight
 
-lora_linear_mod = importlib.import_module("raylora_kernels.lora_linear")  # `raylora_kernels.lora_linear`: the op
+lora_linear_mod = importlib.import_module(
+    "raylora_kernels.lora_linear"
+)  # `raylora_kernels.lora_linear`: the op
 
 L, R = 4, 8  # slot 3 is never used: it holds NaN garbage
 WIDTHS = {"qkv": (64, [64, 16, 16]), "one": (48, [40])}

@@ -159,9 +159,7 @@ def test_an_adapter_with_few_requests_counted_is_not_placed():
     held=st.lists(st.integers(0, 11), max_size=30),
     min_replicas=st.sampled_from([1, 2]),
 )
-def test_placement_respects_slots_holders_and_popularity(
-    weights, n, max_loras, held, min_replicas
-):
+def test_placement_respects_slots_holders_and_popularity(weights, n, max_loras, held, min_replicas):
     from deployments.placement import PlacementConfig, plan_placement, replication_factor
 
     total = sum(weights) / 0.9  # 10% base
@@ -172,7 +170,9 @@ def test_placement_respects_slots_holders_and_popularity(
         holders.setdefault(f"ad-{j % len(weights)}", []).append(f"r{r % n}")
     # moves (single homes of adapters that are not placed) are told from placed adapters
     # by their number of homes only while placed ones have at least two
-    cfg = PlacementConfig(max_loras=max_loras, max_moves=min_replicas - 1, min_replicas=min_replicas)
+    cfg = PlacementConfig(
+        max_loras=max_loras, max_moves=min_replicas - 1, min_replicas=min_replicas
+    )
     everything = plan_placement(shares, ids, cfg, holders)
     plc = {a: h for a, h in everything.items() if len(h) >= cfg.min_replicas}  # the hot ones
     singles = {a: h[0] for a, h in everything.items() if len(h) < cfg.min_replicas}
@@ -249,7 +249,9 @@ def test_rebalance_moves_the_adapter_that_best_evens_the_busiest_replica():
     ids = ["r0", "r1", "r2", "r3"]
     shares = {"b": 0.16, "c": 0.12, "d": 0.08, "e": 0.05, "f": 0.05, "g": 0.02}
     holders = {"b": ["r0"], "c": ["r0"], "d": ["r0"], "e": ["r1"], "f": ["r2"], "g": ["r3"]}
-    no_moves = PlacementConfig(max_loras=4, headroom=1.5, min_replicas=2)  # max_moves: the default, 0
+    no_moves = PlacementConfig(
+        max_loras=4, headroom=1.5, min_replicas=2
+    )  # max_moves: the default, 0
     assert plan_placement(shares, ids, no_moves, holders) == {}
     cfg = PlacementConfig(max_loras=4, headroom=1.5, min_replicas=2, max_moves=1)
     plc = plan_placement(shares, ids, cfg, holders)

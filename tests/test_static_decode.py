@@ -164,7 +164,12 @@ def test_graphs_capture_largest_first_in_one_pool():
     graphs = DecodeGraphs(build, [1, 4, 2], (False, True), FakeGraph)
     graphs.capture()
     assert [(s, lora) for s, lora, _ in captured] == [
-        (4, False), (4, True), (2, False), (2, True), (1, False), (1, True)
+        (4, False),
+        (4, True),
+        (2, False),
+        (2, True),
+        (1, False),
+        (1, True),
     ]
     assert [p for _, _, p in captured] == [None] + ["pool"] * 5
     assert graphs.replay(2, True).tolist() == [1.0, 1.0]
