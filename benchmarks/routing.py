@@ -36,6 +36,9 @@ lock, so no step runs meanwhile, as vLLM's worker reads it inside the step):
   affinity_no_placement
                      affinity with no hot adapter placed on k homes (use_placement False): an
                      adapter stays on its holders and spreads only past the load bound
+  affinity_always_placed
+                     affinity with hot adapters placed whatever the fleet's load
+                     (placement_min_load 0; as it ships, only over 1-2 in flight per replica)
   pow2_no_multiplex  Ray's default router with no ids reported: 2 random replicas (a deployment
                      without `@serve.multiplexed`; not what Ray Serve LLM runs)
 Requests go to the LLMServer deployment through a DeploymentHandle with the adapter as the

@@ -22,6 +22,7 @@ POLICIES: dict[str, tuple[str, bool, str]] = {
     "affinity_bound2": ("affinity", True, "raylora"),
     "affinity_no_idle": ("affinity", True, "raylora"),
     "affinity_no_placement": ("affinity", True, "raylora"),
+    "affinity_always_placed": ("affinity", True, "raylora"),
 }
 # policy -> router kwargs it sets (over --router-kwargs)
 POLICY_ROUTER_KWARGS: dict[str, dict] = {
@@ -35,6 +36,8 @@ POLICY_ROUTER_KWARGS: dict[str, dict] = {
     # no hot adapter placed on k homes (deployments/placement.py): where it stays is where
     # it is held, and it spreads only past the load bound
     "affinity_no_placement": {"use_placement": False},
+    # placement whatever the fleet's load (placement.FleetLoad off): as shipped before
+    "affinity_always_placed": {"placement_min_load": 0},
 }
 # the arms run by default: the router as it ships and Ray's, not the option variants
 OPTION_ARMS = {*POLICY_ROUTER_KWARGS, "affinity_no_tier"}

@@ -84,7 +84,7 @@ class Router:
         if self.policy == "affinity":
             self.planner.record(req.adapter)  # the Serve router sees every request too
             views = self.inflight.apply(self.recent.apply(self._views(), req.arrival / 1000))
-            home = self.planner.placement(self.replica_ids, lambda: views).get(req.routing_key)
+            home = self.planner.home(req.routing_key, self.replica_ids, views)
             rank = tail_rank(len(reps), self.cfg.max_loras)
             ranked = rank_replicas(
                 req.routing_key,

@@ -23,6 +23,9 @@ out popular is luck; with `max_moves` > 0 (off by default, see DEFAULT_MAX_MOVES
 moves up to that many a plan off a replica whose estimated traffic is over
 `rebalance_over` times its fair share, to the least busy replica (a home of one replica,
 kept by later plans).
+
+Placement applies only while the fleet is loaded (`FleetLoad`): at under ~1 request in
+flight per replica nothing queues, and a hot adapter stays on its holders as any other.
 """
 
 from __future__ import annotations
@@ -60,6 +63,14 @@ DEFAULT_REBALANCE_OVER = 1.3  # a replica's estimated adapter traffic over 1/n: 
 # real 4-replica Serve app (benchmarks/routing.py --adapters 40, arm affinity_moves) their
 # effect on p99 was 1.31x, 0.89x and 1.42x that of the router without them (docs/routing.md)
 DEFAULT_MAX_MOVES = 0
+
+# FleetLoad: placement spreads a hot adapter over k homes so that no replica carries more
+# than its share, which buys latency only where requests queue; each home past the first
+# costs slot loads. Off under half of this mean load per replica (averaged over LOAD_WINDOW
+# routed adapter requests), on again at it. The sweep's runs sit at 4.9-11 per replica
+# (never off); the real 4-replica app at 5 requests/s at ~0.5 (docs/routing.md).
+DEFAULT_PLACEMENT_MIN_LOAD = 2.0
+LOAD_WINDOW = 100
 
 Placement = Mapping[str, tuple[str, ...]]  # adapter -> its replicas, in preference order
 
@@ -294,6 +305,36 @@ def rebalance(
     return homes
 
 
+class FleetLoad:
+    """Whether the fleet is loaded enough to place hot adapters (DEFAULT_PLACEMENT_MIN_LOAD):
+    an exponential average over `window` observations of the mean load per replica, on while
+    it is at least `min_load` and until it falls under half of it. It starts on, at
+    `min_load`: a fleet that starts busy places from its first requests."""
+
+    def __init__(
+        self, min_load: float = DEFAULT_PLACEMENT_MIN_LOAD, window: int = LOAD_WINDOW
+    ) -> None:
+        if min_load < 0:
+            raise ValueError(f"placement min_load must be >= 0, got {min_load}")
+        if window < 1:
+            raise ValueError(f"load window must be >= 1, got {window}")
+        self.min_load = float(min_load)
+        self.window = window
+        self.mean = self.min_load
+        self.placing = True
+
+    def observe(self, views: Sequence[ReplicaView]) -> bool:
+        """Add the mean load of `views`; returns whether placement is on."""
+        if views:
+            load = sum(v.load for v in views) / len(views)
+            self.mean += (load - self.mean) / self.window
+        if self.placing and self.mean < self.min_load / 2:
+            self.placing = False
+        elif not self.placing and self.mean >= self.min_load:
+            self.placing = True
+        return self.placing
+
+
 class PlacementPlanner:
     """Counts requests and keeps a placement, recomputed every `replan_every` requests or
     when the replica set changes. What both the Serve router and the simulator hold."""
@@ -306,10 +347,13 @@ class PlacementPlanner:
         replan_every: int = DEFAULT_REPLAN_EVERY,
         popularity: AdapterPopularity | None = None,
         first_replan: int = DEFAULT_FIRST_REPLAN,
+        min_load: float = DEFAULT_PLACEMENT_MIN_LOAD,
     ) -> None:
         """popularity: counts kept so far (a router counts from its first request, before
-        it knows the slot count); else a new AdapterPopularity(half_life)."""
+        it knows the slot count); else a new AdapterPopularity(half_life). min_load:
+        `FleetLoad`'s (0: placement whatever the load)."""
         self.cfg = cfg
+        self.load = FleetLoad(min_load)
         self.popularity = popularity if popularity is not None else AdapterPopularity(half_life)
         self.replan_every = replan_every
         self.first_replan = first_replan
@@ -343,3 +387,13 @@ class PlacementPlanner:
             )
             self._replica_ids, self._planned_at = ids, n
         return self._placement
+
+    def home(
+        self, adapter_id: str, replica_ids: Sequence[str], views: Sequence[ReplicaView]
+    ) -> tuple[str, ...] | None:
+        """`adapter_id`'s placed replicas, or None: not placed, or the fleet too lightly
+        loaded for placement (`FleetLoad`, fed here: call it once per routed request). The
+        plan is kept up to date either way, so it is ready when the load comes back."""
+        placing = self.load.observe(views)
+        placed = self.placement(replica_ids, lambda: views)
+        return placed.get(adapter_id) if placing else None

@@ -33,7 +33,8 @@ Placement (deployments/placement.py, which says how homes are chosen and grown):
 counts every request it routes (`on_request_routed`; base requests count in the total) and
 replans at `first_replan`, twice that, ... requests, then every `replan_every`, within the
 slots the replicas have (`max_loras`: the kwarg, else their `routing_stats["max_loras"]`;
-with neither, no placement: every adapter stays on its holders).
+with neither, no placement: every adapter stays on its holders); the homes apply only while
+the mean load per replica is over `placement_min_load` (placement.FleetLoad; 0: always).
 
 Configure through `request_router_config.request_router_kwargs`, which Ray passes to
 `initialize_state` (its keyword arguments, with their defaults).
@@ -62,6 +63,7 @@ from deployments.placement import (
     DEFAULT_HALF_LIFE,
     DEFAULT_MAX_MOVES,
     DEFAULT_MIN_PLACED_COUNT,
+    DEFAULT_PLACEMENT_MIN_LOAD,
     DEFAULT_REBALANCE_OVER,
     DEFAULT_REPLAN_EVERY,
     AdapterPopularity,
@@ -132,6 +134,7 @@ class AdapterAffinityRouter(RequestRouter):
         max_moves: int = DEFAULT_MAX_MOVES,
         max_batch: int | None = None,
         idle_first: bool = True,
+        placement_min_load: float = DEFAULT_PLACEMENT_MIN_LOAD,
     ) -> None:
         if load_bound_c < 1.0:
             raise ValueError(f"load_bound_c must be >= 1, got {load_bound_c}")
@@ -150,6 +153,7 @@ class AdapterAffinityRouter(RequestRouter):
         self._min_placed_count = float(min_placed_count)
         self._rebalance_over = float(rebalance_over)
         self._max_moves = int(max_moves)
+        self._placement_min_load = float(placement_min_load)
         if max_batch is not None and int(max_batch) < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self._max_batch = None if max_batch is None else int(max_batch)
@@ -241,6 +245,7 @@ class AdapterAffinityRouter(RequestRouter):
             replan_every=self._replan_every,
             popularity=self._popularity,
             first_replan=self._first_replan,
+            min_load=self._placement_min_load,
         )
 
     def _home(
@@ -255,7 +260,7 @@ class AdapterAffinityRouter(RequestRouter):
                 return None
             self._planner = self._new_planner(max_loras)
         ids = [r.replica_id.unique_id for r in candidates]
-        return self._planner.placement(ids, lambda: views).get(adapter_id)
+        return self._planner.home(adapter_id, ids, views)
 
     def _batch_size(self, candidates: list[RunningReplica]) -> int | None:
         """The kwarg, else the smallest max_num_seqs the replicas report (None: none does)."""

@@ -298,3 +298,55 @@ def test_in_tail_is_outside_the_rank_most_requested_by_brute_force():
                 expected = len(counts) > rank and pop.count(a) <= counts[rank]
                 assert pop.in_tail(a, rank) == expected, (n, rank, a)
     assert not AdapterPopularity().in_tail("a", 3)  # nothing counted: no tail yet
+
+
+def _loaded(ids: list[str], load: float) -> list[ReplicaView]:
+    return [ReplicaView(r, load, frozenset(), frozenset()) for r in ids]
+
+
+def test_fleet_load_gate_by_hand():
+    """An exponential average over 100 observations of the mean load per replica: on at
+    2.0, off under 1.0. From 2.0 on an idle fleet: 2 x 0.99^k < 1 first at k = 69. Between
+    the thresholds it keeps its state. From 1.5 at 3 per replica: 3 - 1.5 x 0.99^k >= 2
+    first at k = 41."""
+    import pytest
+
+    from deployments.placement import FleetLoad
+
+    ids = ["r0", "r1", "r2", "r3"]
+    gate = FleetLoad(min_load=2.0, window=100)
+    assert [gate.observe(_loaded(ids, 0.0)) for _ in range(69)] == [True] * 68 + [False]
+    assert not any(gate.observe(_loaded(ids, 1.5)) for _ in range(2000))
+    assert [gate.observe(_loaded(ids, 3.0)) for _ in range(41)] == [False] * 40 + [True]
+    mixed = [
+        ReplicaView(r, x, frozenset(), frozenset()) for r, x in zip(ids, (6, 0, 0, 0), strict=True)
+    ]
+    assert all(gate.observe(mixed) for _ in range(2000))  # the fleet's mean, 1.5: stays on
+    assert abs(gate.mean - 1.5) < 1e-6
+    always = FleetLoad(min_load=0.0)
+    assert all(always.observe(_loaded(ids, 0.0)) for _ in range(1000))
+    with pytest.raises(ValueError, match="min_load"):
+        FleetLoad(min_load=-1.0)
+
+
+def test_planner_homes_only_while_the_fleet_is_loaded():
+    """PlacementPlanner.home: the placed homes while the fleet is loaded, None while it is
+    light (FleetLoad), the plan kept up to date meanwhile; min_load 0 places at any load."""
+    from deployments.placement import PlacementConfig, PlacementPlanner
+
+    ids = [f"r{i}" for i in range(4)]
+    cfg = PlacementConfig(max_loras=4)
+    for min_load, placed_when_light in ((2.0, False), (0.0, True)):
+        planner = PlacementPlanner(cfg, first_replan=1, min_load=min_load)
+        for a in ["hot"] * 60 + [""] * 40:
+            planner.record(a)
+        busy, idle = _loaded(ids, 4.0), _loaded(ids, 0.0)
+        homes = planner.home("hot", ids, busy)
+        assert homes is not None and len(homes) == 4  # k = ceil(0.6 x 4 x 2), all four
+        assert planner.home("cold", ids, busy) is None  # never counted: not placed
+        light = [planner.home("hot", ids, idle) for _ in range(200)]
+        assert (light[-1] == homes) is placed_when_light
+        for _ in range(1000):  # the plan follows the counts while the gate is off
+            planner.record("b")
+        planner.home("hot", ids, idle)
+        assert "b" in planner.placement(ids)

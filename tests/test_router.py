@@ -299,6 +299,28 @@ def test_placement_counts_routed_requests_and_grows_a_hot_adapter_onto_its_homes
         assert len(homes) == 6 and len(tiers[2]) == 4
 
 
+def test_a_lightly_loaded_fleet_keeps_a_hot_adapter_on_its_holder():
+    """placement_min_load (placement.FleetLoad): after 100 requests on an idle fleet the
+    placement is off, and a hot adapter whose holder passes the load bound stays there, as
+    an adapter that is not placed does; with 0 it grows onto its next home."""
+    for min_load, stays in ((None, True), (0.0, False)):
+        kwargs = {} if min_load is None else {"placement_min_load": min_load}
+        router = make_router(use_registry=False, replan_every=10, max_loras=4, **kwargs)
+        reps = [FakeReplica(i) for i in IDS]
+        sent: set[str] = set()
+        for k in range(100):
+            pending: list = []
+            adapter = "hot" if k % 2 == 0 else f"cold-{k}"
+            pick = route(router, reps, adapter, pending)[0][0].replica_id
+            router.on_request_routed(pending[0], pick, None)
+            if adapter == "hot":
+                sent.add(pick.unique_id)
+        (holder,) = sent
+        reps[IDS.index(holder)].routing_stats["adapters_in_cpu"] = ["hot"]  # reported now
+        set_load(router, reps[IDS.index(holder)], 20)
+        assert (first_choice(router, reps, "hot") == holder) is stays
+
+
 def test_no_placement_without_a_slot_count():
     """The router counts from its first request, but without a slot count (no kwarg, no
     routing stats) it places nothing: a hot adapter stays on its holder alone."""
