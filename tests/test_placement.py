@@ -6,6 +6,7 @@ import random
 from collections import Counter
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -309,8 +310,6 @@ def test_fleet_load_gate_by_hand():
     2.0, off under 1.0. From 2.0 on an idle fleet: 2 x 0.99^k < 1 first at k = 69. Between
     the thresholds it keeps its state. From 1.5 at 3 per replica: 3 - 1.5 x 0.99^k >= 2
     first at k = 41."""
-    import pytest
-
     from deployments.placement import FleetLoad
 
     ids = ["r0", "r1", "r2", "r3"]
