@@ -197,6 +197,53 @@ def test_a_local_folder_is_asked_of_the_tier_only_where_its_reads_are_slow(
     assert tier.fetches == fetches and tier.offers == 4
 
 
+# -- how an adapter travels -----------------------------------------------------------------
+
+
+def test_an_adapter_pickles_as_one_out_of_band_buffer():
+    """LoRAAdapter.__reduce__: under protocol 5 (Ray's) every weight travels in one buffer,
+    one copy into the object store; what comes back is the same weights bit for bit, in
+    each one's dtype and shape (an empty one too), writable and not the sender's memory."""
+    import pickle
+
+    import torch
+
+    from engine.lora.adapter import LoRAAdapter
+
+    gen = torch.Generator().manual_seed(0)
+    weights = {
+        (0, "q_proj"): (torch.randn(4, 10, generator=gen), torch.randn(6, 4, generator=gen)),
+        (1, "v_proj"): (
+            torch.randn(4, 10, generator=gen).to(torch.bfloat16),
+            torch.randn(3, 4, generator=gen).to(torch.float16),
+        ),
+        (1, "o_proj"): (torch.empty(0, 10), torch.randn(5, 1, generator=gen)),
+    }
+    weights[(0, "q_proj")][0][0, 0] = float("-0.0")  # the bits, not only the value
+    adapter = LoRAAdapter("a", 4, 8.0, 2.0, ["q_proj", "v_proj", "o_proj"], weights, "/src")
+    adapter.identity = "id-1"
+    buffers: list = []
+    data = pickle.dumps(adapter, protocol=5, buffer_callback=buffers.append)
+    assert len(buffers) == 1 and len(data) < 4096  # the weights are not in the stream
+    assert adapter.num_bytes() <= buffers[0].raw().nbytes <= adapter.num_bytes() + 64 * 6
+    for got in (pickle.loads(data, buffers=buffers), pickle.loads(pickle.dumps(adapter))):
+        assert (got.name, got.rank, got.lora_alpha, got.scaling, got.source) == (
+            "a",
+            4,
+            8.0,
+            2.0,
+            "/src",
+        )
+        assert got.target_modules == adapter.target_modules and got.identity == "id-1"
+        assert list(got.weights) == list(weights) and got.num_bytes() == adapter.num_bytes()
+        for key, pair in weights.items():
+            for want, have in zip(pair, got.weights[key], strict=True):
+                assert have.dtype == want.dtype and have.shape == want.shape
+                assert torch.equal(have.view(torch.uint8), want.view(torch.uint8))
+        got.weights[(0, "q_proj")][1].add_(1.0)  # its own memory: the sender's is untouched
+        assert not torch.equal(got.weights[(0, "q_proj")][1], weights[(0, "q_proj")][1])
+
+
 # -- the Ray object store tier -------------------------------------------------------------
 
 
