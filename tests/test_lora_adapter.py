@@ -411,6 +411,30 @@ def test_nan_weights(tmp_path, spec):
     expect(CorruptLoRAWeightsError, folder, spec, "NaN")
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf")])
+def test_an_infinite_weight_is_named_and_huge_finite_ones_load(tmp_path, spec, bad):
+    """The finiteness check is one sum over every weight: an inf in the last module is found
+    and named; finite weights near the fp32 limit overflow that sum, yet load (the exact
+    check behind it), bit for bit."""
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = make_adapter(tmp_path / "inf")
+    path = folder / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    keys = sorted(k for k in tensors if "lora_A" in k)
+    tensors[keys[0]][0, :2] = torch.tensor([3e38, 3e38])  # sum: inf
+    tensors[keys[1]][0, 0] = -3e38
+    save_file(tensors, str(path))
+    adapter = load_adapter(str(folder), "huge", spec)
+    values = torch.cat([w.reshape(-1) for pair in adapter.weights.values() for w in pair])
+    assert torch.isfinite(values).all() and values.max() == 3e38 and values.min() == -3e38
+    last = sorted(k for k in tensors if "lora_B" in k and "layers.1." in k)[-1]
+    tensors[last][-1, -1] = bad
+    save_file(tensors, str(path))
+    module = last.split(".")[-3]
+    expect(CorruptLoRAWeightsError, folder, spec, f"layer 1 {module} weights contain NaN or inf")
+
+
 def test_rank_in_weights_differs_from_config(tmp_path, spec):
     folder, _ = make_adapter(tmp_path / "r", r=4)
     edit_config(folder, r=8)

@@ -166,14 +166,30 @@ def collect_weights(
                 f"({a.dtype}, {b.dtype})",
                 name,
             )
-        a = a.to(torch.float32).contiguous()
-        b = b.to(torch.float32).contiguous()
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise CorruptLoRAWeightsError(
-                f"LoRA adapter {name!r}: layer {layer} {module} weights contain NaN or inf", name
-            )
-        weights[(layer, module)] = (a, b)
+        weights[(layer, module)] = (
+            a.to(torch.float32).contiguous(),
+            b.to(torch.float32).contiguous(),
+        )
+    if not _surely_finite(weights):
+        for (layer, module), (a, b) in weights.items():
+            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                raise CorruptLoRAWeightsError(
+                    f"LoRA adapter {name!r}: layer {layer} {module} weights contain NaN or inf",
+                    name,
+                )
     return weights
+
+
+def _surely_finite(weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """True if every weight is finite, from one sum over them all: a NaN or an inf anywhere
+    makes the sum NaN or inf, so a finite sum proves them all finite. False only means
+    "look": finite weights whose sum overflows fp32 say False too, and the caller's exact
+    check clears them. (Checked tensor by tensor, a 20 MB adapter's 420 tensors took ~10 ms
+    more of its ~23 ms read: dispatch, one thread.)"""
+    if not weights:
+        return True
+    flat = torch.cat([w.reshape(-1) for pair in weights.values() for w in pair])
+    return bool(torch.isfinite(flat.sum()))
 
 
 def _order(item: tuple[tuple[int, str], Any]) -> tuple[int, int]:
