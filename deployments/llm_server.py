@@ -130,7 +130,9 @@ class LLMServer:
         # (deployments/shared_adapters.py); not on the in-step read path (the peer's arm)
         if shared_adapter_tier and not self._read_in_step and self.reporter.registry is not None:
             registry = self.reporter.registry
-            self.engine.adapter_tier = RayAdapterTier(registry, self.model_name, self.replica_id)
+            tier = RayAdapterTier(registry, self.model_name, self.replica_id)
+            tier.warm_up()  # before serving: the first put's set-up is no request's wait
+            self.engine.adapter_tier = tier
         # Ray's default router reads these; outside Serve there is nobody to tell.
         push = push_for_this_replica() if report_multiplexed_ids else None
         self._multiplex: MultiplexedIdReporter | None = None

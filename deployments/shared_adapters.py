@@ -196,6 +196,22 @@ class RayAdapterTier:
     def key(self, lora: LoRARequest) -> Key:
         return (self.model, lora.lora_name, lora.lora_path or "")
 
+    def warm_up(self) -> None:
+        """Put (and drop) a one-weight adapter in this process's object store, registering
+        nothing: a process's first `ray.put` costs ~100 ms of CPU whatever its size (Ray's
+        serialization set-up, measured), which would otherwise fall on the first offer's
+        background thread, holding the GIL beside the replica's first steps."""
+        import ray
+        import torch
+
+        from engine.lora.adapter import LoRAAdapter
+
+        w = torch.zeros(1, 1)
+        try:
+            ray.put(LoRAAdapter("warm-up", 1, 1.0, 1.0, ["q_proj"], {(0, "q_proj"): (w, w)}, ""))
+        except Exception as e:  # only a cost moved to start-up; nothing depends on it
+            logger.warning("raylora: shared tier warm-up put failed (%s)", e)
+
     def fetch(self, lora: LoRARequest) -> LoRAAdapter | None:
         import ray
 

@@ -281,6 +281,8 @@ def test_ray_tier_shares_a_replicas_read_until_it_goes(ray_cluster, tiny_model_d
             assert time.monotonic() < deadline, f"the registry never held {count} adapters"
             time.sleep(0.1)
 
+    RayAdapterTier(registry, "tiny", "warm").warm_up()  # a local put: the registry keeps none
+    assert shared_count() == 0
     reader = Reader.remote()
     want = ray.get(reader.read.remote(tiny_model_dir), timeout=240)
     wait_for(1)
