@@ -159,6 +159,7 @@ async def replay(
                 "total": 1000 * latencies[i],
                 "replica": t["replica"],
                 "inflight": t["inflight"],
+                "held": t["held"],
                 "phases": phases(sent, time.time(), t),
             }
         except Exception as e:

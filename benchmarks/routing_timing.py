@@ -14,7 +14,9 @@ load when it arrived. The benchmark calls it in every arm alike (the wrapper cos
   rest         -> the last output (decode)
   back         -> the driver has the answer
 
-All on one machine, so the driver's and the replicas' `time.time()` agree.
+All on one machine, so the driver's and the replicas' `time.time()` agree. `held` is where the
+request's adapter was when it arrived ("slot", "cpu" or "none"; "base" without one), as the
+engine last reported (its residency listener): a hit or a miss of each tier.
 """
 
 from __future__ import annotations
@@ -43,9 +45,13 @@ class TimedLLMServer(LLMServer):
             _TIMING.reset(token)
         timing["done"] = time.time()
         timing.setdefault("lora", timing["arrive"])
+        timing.setdefault("held", "base")
         return out, timing
 
     async def _lora_request(self, name: str):
+        timing = _TIMING.get()
+        if timing is not None:
+            timing["held"] = self._held(name)
         out = await super()._lora_request(name)
         _mark("lora")
         return out
@@ -55,6 +61,15 @@ class TimedLLMServer(LLMServer):
             if first:
                 _mark("first")
             yield out, first
+
+
+    def _held(self, name: str) -> str:
+        in_slots = getattr(self, "_in_slots", frozenset())
+        return "slot" if name in in_slots else "cpu" if name in self._in_cpu else "none"
+
+    def _on_residency(self, slots: list[str], cpu: list[str]) -> None:
+        super()._on_residency(slots, cpu)
+        self._in_slots = set(slots)  # one assignment from the engine thread
 
 
 def _mark(phase: str) -> None:
@@ -205,6 +220,33 @@ def by_popularity(record: dict, sizes: tuple[int, ...] = POPULARITY_GROUPS) -> d
     return out
 
 
+HELD = ("slot", "cpu", "none", "base")
+
+
+def by_residency(record: dict) -> dict[str, list]:
+    """policy -> per place the adapter was held at arrival (HELD), every run pooled:
+    (place, requests, first token p50 and p99 ms, latency p99 ms); files from before `held`
+    was recorded give none."""
+    out: dict[str, list] = {}
+    for policy in dict.fromkeys(r["policy"] for r in record["runs"]):
+        rows = []
+        for place in HELD:
+            ts = [
+                t
+                for r in record["runs"]
+                if r["policy"] == policy
+                for t in r["timings"].values()
+                if t.get("held") == place
+            ]
+            if ts:
+                first = [t["phases"]["first_token"] for t in ts]
+                total = [t["total"] for t in ts]
+                row = (place, len(ts), percentile(first, 0.5), percentile(first, 0.99))
+                rows.append((*row, percentile(total, 0.99)))
+        out[policy] = rows
+    return out
+
+
 def decode_by_run(record: dict) -> list[tuple[int, str, float]]:
     """(run, policy, mean decode ms) in the order the runs ran: the decode of a few tokens is
     the same work in every arm, so its drift between runs is the machine's."""
@@ -269,6 +311,13 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"  {name:<15}{adapters:>3} adapters {n:>6} requests: first token p50 "
                 f"{ft50:5.1f} p99 {ft99:5.1f} ms; latency p99 {p99:5.1f} ms"
+            )
+    for policy, rows in by_residency(record).items():
+        print(f"{policy}: by where the adapter was held at arrival (slot / CPU cache / neither)")
+        for place, n, ft50, ft99, p99 in rows:
+            print(
+                f"  {place:<5}{n:>6} requests: first token p50 {ft50:5.1f} p99 {ft99:5.1f} ms; "
+                f"latency p99 {p99:5.1f} ms"
             )
     drift = ", ".join(f"{run}:{policy} {ms:.1f}" for run, policy, ms in decode_by_run(record))
     print(f"mean decode ms per run, in the order run: {drift}")

@@ -3,8 +3,10 @@ multiplexed-id routing on vLLM's adapter-cache behaviour and on raylora's, Ray's
 ids) on a real local Serve deployment, every request completes (the bar against ray_multiplex
 is judged by the full benchmark, not on 60 requests)."""
 
+import json
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 
@@ -22,6 +24,8 @@ def test_routing_benchmark_smoke(tmp_path):
             "--smoke",
             "--workdir",
             str(tmp_path),
+            "--latencies-out",
+            str(tmp_path / "lat.json"),
         ],
         capture_output=True,
         text=True,
@@ -39,6 +43,13 @@ def test_routing_benchmark_smoke(tmp_path):
     verdicts = [line.split()[0] for line in out.splitlines() if line.startswith("  ")]
     verdicts = [v for v in verdicts if v in ("met", "NOT")]
     assert len(verdicts) == 3, out[-2000:]  # one per criterion: slot loads, disk loads, p99
+    # each request's adapter residency at arrival (benchmarks/routing_timing.py): every arm
+    # starts with nothing held, so it has misses, and its repeats find a slot
+    record = json.loads((tmp_path / "lat.json").read_text())
+    for run in record["runs"]:
+        held = Counter(t["held"] for t in run["timings"].values())
+        assert set(held) <= {"slot", "cpu", "none", "base"}, held
+        assert held["none"] and held["slot"], (run["policy"], held)
 
 
 @pytest.mark.timeout(120)

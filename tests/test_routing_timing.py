@@ -115,3 +115,25 @@ def test_cpu_by_role_counts_a_titled_process_and_this_one():
     assert 0.55 <= used["marked"] <= 0.8  # its spin, and no more than its start-up besides
     assert set(used) >= {"driver", "marked", "other"}
     assert all(v >= 0 for v in used.values())
+
+
+def test_residency_rows_pool_runs_and_skip_files_without_it(tmp_path, capsys):
+    from benchmarks.routing_timing import by_residency, main
+
+    record = _record()
+    assert by_residency(record) == {"x": [], "y": []}  # a file from before `held`
+    places = ["none", "slot", "slot", "none", "cpu"]
+    for run in record["runs"]:
+        for i, t in run["timings"].items():
+            t["held"] = places[int(i)]
+    rows = by_residency(record)
+    # x: slot = requests 1, 2 (first tokens 2, 3; totals 11, 12), cpu = 4, none = 0, 3
+    assert rows["x"] == [("slot", 2, 3.0, 3.0, 12.0), ("cpu", 1, 5.0, 5.0, 14.0),
+                         ("none", 2, 4.0, 4.0, 13.0)]  # fmt: skip
+    # y pools both runs: none = first tokens 2, 8 (slow run) and 1, 4 (fast run)
+    assert rows["y"][2] == ("none", 4, 4.0, 8.0, 23.0)
+    path = tmp_path / "lat.json"
+    path.write_text(json.dumps(record))
+    main([str(path)])
+    out = capsys.readouterr().out
+    assert "  cpu       1 requests: first token p50   5.0 p99   5.0 ms; latency p99  14.0" in out
