@@ -14,6 +14,7 @@ import dataclasses
 import math
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -183,6 +184,37 @@ def _download_from_hub(repo_id: str, name: str) -> Path:
     return Path(local)
 
 
+# A file whose last change is newer than this may change again without its stamp changing
+# (a file system's timestamps tick coarsely): such a folder gets no stamp (git's "racy" rule).
+RACY_S = 2.0
+
+
+def source_stamp(lora_path: str) -> tuple | None:
+    """What identifies the contents of a local adapter folder's files without reading them:
+    (inode, device, size, mtime ns, ctime ns) of adapter_config.json and of each weights
+    file, None for one that is missing. The kernel sets a file's ctime at every write and no
+    call sets it back, so an equal stamp means the same bytes, except for a file changed
+    within a clock tick of the stamp: None if any file changed in the last RACY_S seconds,
+    or if `lora_path` is not a local folder."""
+    folder = Path(os.path.expanduser(lora_path)) if isinstance(lora_path, str) else None
+    if folder is None or not folder.is_dir():
+        return None
+    recent = time.time_ns() - int(RACY_S * 1e9)
+    stamp = []
+    for file in (CONFIG_NAME, SAFETENSORS_NAME, BIN_NAME):
+        try:
+            st = os.stat(folder / file)
+        except FileNotFoundError:
+            stamp.append(None)
+            continue
+        except OSError:
+            return None
+        if max(st.st_mtime_ns, st.st_ctime_ns) > recent:
+            return None
+        stamp.append((st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return tuple(stamp)
+
+
 # ----------------------------------------------------------------------------------------
 
 
@@ -211,4 +243,5 @@ __all__ = [
     "SUPPORTED_MODULES",
     "load_adapter",
     "resolve_adapter_dir",
+    "source_stamp",
 ]
