@@ -62,7 +62,6 @@ class TimedLLMServer(LLMServer):
                 _mark("first")
             yield out, first
 
-
     def _held(self, name: str) -> str:
         in_slots = getattr(self, "_in_slots", frozenset())
         return "slot" if name in in_slots else "cpu" if name in self._in_cpu else "none"

@@ -131,6 +131,7 @@ class LLMServer:
         if shared_adapter_tier and not self._read_in_step and self.reporter.registry is not None:
             registry = self.reporter.registry
             tier = RayAdapterTier(registry, self.model_name, self.replica_id)
+            tier.cached = self.engine.engine.cached_local_reads  # offered when a node joins
             tier.warm_up()  # before serving: the first put's set-up is no request's wait
             self.engine.adapter_tier = tier
         # Ray's default router reads these; outside Serve there is nobody to tell.

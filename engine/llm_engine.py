@@ -190,6 +190,11 @@ class LLMEngine:
     def list_loras(self) -> list[str]:
         return list(self._lora_manager().known) if self.config.enable_lora else []
 
+    def cached_local_reads(self) -> list[tuple[LoRARequest, LoRAAdapter]]:
+        """The CPU cache's adapters read from local folders (LoRAManager.cached_local_reads);
+        any thread."""
+        return self._lora_manager().cached_local_reads()
+
     def _lora_manager(self) -> LoRAManager:
         if self.model_runner.lora_manager is None:
             raise InvalidRequestError("this engine was started with enable_lora=False")

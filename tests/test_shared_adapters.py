@@ -269,7 +269,9 @@ def test_ray_tier_shares_a_replicas_read_until_it_goes(ray_cluster, tiny_model_d
             from deployments.registry import get_registry
 
             engine = LLMEngine(EngineConfig(model=model_dir, max_loras=2, max_lora_rank=16))
-            adapter = engine.read_lora(lora, RayAdapterTier(get_registry(), "tiny", "reader-1"))
+            # as on a cluster of two nodes, where a local read is offered
+            tier = RayAdapterTier(get_registry(), "tiny", "reader-1", count_nodes=lambda: 2)
+            adapter = engine.read_lora(lora, tier)
             return {k: (a.clone(), b.clone()) for k, (a, b) in adapter.weights.items()}
 
     def shared_count() -> int:
@@ -309,8 +311,10 @@ def test_ray_tier_shares_a_replicas_read_until_it_goes(ray_cluster, tiny_model_d
     tier.publish(lora, got)  # the driver shares its own copy; a reload of the name drops it
     wait_for(1)
     # an offer (a local read that did not ask first) of a kept key puts nothing: forgetting
-    # the offerer leaves the driver's copy (_publish_now: what offer's thread does)
-    RayAdapterTier(registry, "tiny", "offerer")._publish_now(lora, got, offered=True)
+    # the offerer leaves the driver's copy (_publish_now: what offer's thread does; as on a
+    # cluster of two nodes, where offers are made)
+    offerer = RayAdapterTier(registry, "tiny", "offerer", count_nodes=lambda: 2)
+    offerer._publish_now(lora, got, offered=True)
     ray.get(registry.remove_replica.remote("offerer"))
     assert shared_count() == 1
     ray.get(registry.register_adapter.remote("ray-shared", folder, 4, ["q_proj"], "tiny"))
@@ -339,3 +343,46 @@ def test_ray_tier_shares_a_replicas_read_until_it_goes(ray_cluster, tiny_model_d
         a.abandon(lora)
         assert waiting.result(timeout=30) is None
     assert ray.get(registry.shared_stats.remote())["waits"] >= 2
+
+
+def test_local_reads_are_offered_only_while_another_node_is_alive(
+    ray_cluster, tiny_model_dir, tmp_path, monkeypatch
+):
+    """On one node every replica reads the folder itself: an offer makes no registry call and
+    puts nothing. When a second node appears, the publish thread offers what the replica
+    holds (its CPU cache's local reads), and later reads are offered as they come."""
+    import ray
+
+    import deployments.shared_adapters as shared_adapters
+    from deployments.registry import get_or_create_registry
+    from deployments.shared_adapters import RayAdapterTier
+
+    monkeypatch.setattr(shared_adapters, "NODES_CHECK_S", 0.2)
+    folders = make_adapter_set(tiny_model_dir, tmp_path)
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir, max_loras=2, max_lora_rank=16))
+    held = LoRARequest("node-held", 1, str(folders["qv4"]))
+    later = LoRARequest("node-later", 2, str(folders["all16"]))
+    engine.add_lora(held)
+    assert [lora.lora_name for lora, _ in engine.cached_local_reads()] == ["node-held"]
+    registry = get_or_create_registry()
+    nodes = [1]
+    tier = RayAdapterTier(registry, "tiny", "node-test", count_nodes=lambda: nodes[0])
+    tier.cached = engine.cached_local_reads
+
+    def kept(lora: LoRARequest) -> bool:
+        return ray.get(registry.shared_has.remote(tier.key(lora)))
+
+    def wait_kept(lora: LoRARequest) -> None:
+        deadline = time.monotonic() + 30
+        while not kept(lora):
+            assert time.monotonic() < deadline, f"{lora.lora_name} was never offered"
+            time.sleep(0.1)
+
+    tier.offer(held, engine.read_lora(held))
+    time.sleep(1.0)  # the publish thread has handled it, and checked the nodes again
+    assert not kept(held)
+    nodes[0] = 2  # a node joins: the cache is offered without a new read
+    wait_kept(held)
+    tier.offer(later, engine.read_lora(later))
+    wait_kept(later)
+    ray.get(registry.remove_replica.remote("node-test"))

@@ -281,6 +281,18 @@ class LoRAManager:
             lin.lora.sync_ranks()
         self.slot_names[slot] = lora.lora_name
 
+    def cached_local_reads(self) -> list[tuple[LoRARequest, LoRAAdapter]]:
+        """The CPU cache's adapters read from local folders, each with the request it was read
+        for (what a shared tier is offered, AdapterTier.offer). Safe from any thread: one
+        snapshot of the cache."""
+        held = list(self.cpu_cache.items())
+        out = []
+        for name, adapter in held:
+            lora = self.known.get(name)
+            if lora is not None and os.path.isdir(lora.lora_path or ""):
+                out.append((lora, adapter))
+        return out
+
     def residency(self) -> tuple[list[str], list[str]]:
         """(adapters in slots, adapters in the CPU cache)."""
         return [n for n in self.slot_names if n is not None], list(self.cpu_cache)
