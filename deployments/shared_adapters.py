@@ -267,8 +267,8 @@ class RayAdapterTier:
         offer of each key (every replica on the folder's node offers what it reads). Only
         while another node is alive: on one node every replica reads the folder itself, and
         the registry call per read and the put per adapter were cost alone (on the real
-        routing benchmark a process's first reads of adapters took a first token p50 180 ms
-        with them against 153 without, on a busy replica). When a second node appears, the
+        routing benchmark affinity's misses reached their first token at p50 107 ms against
+        the peer's 90 with them, 84-97 against 85-93 without, docs/benchmarks.md). When a second node appears, the
         publish thread offers what `cached` lists (checked every NODES_CHECK_S)."""
         self._enqueue(lora, adapter, True)
 
@@ -326,11 +326,10 @@ class RayAdapterTier:
         """What publish (offered: offer) does, in the caller's thread."""
         import ray
 
-        if offered:
+        if offered:  # nobody holds a claim on an offer: skip it where a copy is kept
             self._check_nodes()
             if not self._other_nodes:  # one node: every replica reads the folder itself
                 return
-        if offered:  # nobody holds a claim on an offer: skip it where a copy is kept
             try:
                 key = self.key(lora)
                 if ray.get(self.registry.shared_has.remote(key), timeout=self.registry_timeout_s):
