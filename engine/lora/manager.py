@@ -275,7 +275,7 @@ class LoRAManager:
                 a, b = w
                 a_slot[:r].copy_(a)
                 a_slot[r:R].zero_()
-                torch.mul(b, adapter.scaling, out=b_slot[:, :r])
+                b_slot[:, :r].copy_(b * adapter.scaling)  # b on the CPU, the slot maybe not
                 b_slot[:, r:R].zero_()
         for lin in self.linears.values():
             lin.lora.sync_ranks()
