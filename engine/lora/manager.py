@@ -289,7 +289,7 @@ class LoRAManager:
         out = []
         for name, adapter in held:
             lora = self.known.get(name)
-            if lora is not None and os.path.isdir(lora.lora_path or ""):
+            if lora is not None and self._read_source(lora, None)[0]:  # a local folder
                 out.append((lora, adapter))
         return out
 
