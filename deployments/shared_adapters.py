@@ -296,9 +296,19 @@ class RayAdapterTier:
             try:
                 lora, adapter, offered = self._publishing.get(timeout=NODES_CHECK_S)
             except queue.Empty:
+                if not _ray_up() and self._stop_publishing():
+                    return  # Ray was shut down (a test, a driver's end): nothing to share with
                 self._check_nodes()  # a node that joins gets this replica's cache
                 continue
             self._publish_now(lora, adapter, offered)
+
+    def _stop_publishing(self) -> bool:
+        """End the publish thread if nothing is queued (a later publish starts another)."""
+        with self._publishing_lock:
+            if self._publishing is None or not self._publishing.empty():
+                return False
+            self._publishing = None
+            return True
 
     def _check_nodes(self) -> None:
         """Every NODES_CHECK_S at most: is another node alive? If one appeared since the last
@@ -346,6 +356,13 @@ class RayAdapterTier:
         except Exception as e:  # the adapter is read; only the sharing failed
             logger.warning("raylora: could not share %s (%s)", lora.lora_name, e)
             self.abandon(lora)  # nobody waits for a copy that will not come
+
+
+def _ray_up() -> bool:
+    """Whether this process is connected to Ray (always, in a replica)."""
+    import ray
+
+    return ray.is_initialized()
 
 
 def _alive_nodes() -> int:

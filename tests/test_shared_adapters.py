@@ -244,6 +244,53 @@ def test_an_adapter_pickles_as_one_out_of_band_buffer():
         assert not torch.equal(got.weights[(0, "q_proj")][1], weights[(0, "q_proj")][1])
 
 
+def test_the_publish_thread_ends_once_ray_is_shut_down(monkeypatch):
+    """The publish thread checks the nodes every NODES_CHECK_S while Ray is up; once the
+    process is no longer connected (a test's shutdown, a driver's end) it ends instead of
+    warning every check, and a later offer starts another."""
+    import torch
+
+    import deployments.shared_adapters as shared_adapters
+    from deployments.shared_adapters import RayAdapterTier
+    from engine.lora.adapter import LoRAAdapter
+
+    monkeypatch.setattr(shared_adapters, "NODES_CHECK_S", 0.05)
+    up = [True]
+    monkeypatch.setattr(shared_adapters, "_ray_up", lambda: up[0])
+    counted: list[float] = []
+    tier = RayAdapterTier(None, "m", "r", count_nodes=lambda: counted.append(0.0) or 1)
+    w = torch.zeros(1, 1)
+    adapter = LoRAAdapter("a", 1, 1.0, 1.0, ["q_proj"], {(0, "q_proj"): (w, w)}, "/a")
+    lora = LoRARequest("a", 1, "/a")
+
+    def publish_threads() -> int:
+        import threading
+
+        return sum(t.name == "raylora-tier-publish" for t in threading.enumerate())
+
+    def wait(condition, what: str) -> None:
+        deadline = time.monotonic() + 10
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.02)
+
+    before = publish_threads()
+    tier.offer(lora, adapter)  # one node: no registry call (the registry here is None)
+    wait(lambda: len(counted) >= 3, "the thread stopped checking while Ray was up")
+    assert publish_threads() == before + 1 and tier._publishing is not None
+    up[0] = False
+    wait(lambda: tier._publishing is None, "the thread outlived Ray")
+    wait(lambda: publish_threads() == before, "the thread outlived Ray")
+    checks = len(counted)
+    time.sleep(0.3)
+    assert len(counted) == checks  # no more checks, so no more warnings
+    up[0] = True
+    tier.offer(lora, adapter)
+    wait(lambda: len(counted) > checks, "a later offer started no thread")
+    up[0] = False
+    wait(lambda: publish_threads() == before, "the second thread outlived Ray")
+
+
 # -- the Ray object store tier -------------------------------------------------------------
 
 
