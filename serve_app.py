@@ -27,6 +27,7 @@ from ray.serve.config import RequestRouterConfig
 
 from deployments.ingress import Ingress
 from deployments.llm_server import LLMServer
+from engine import hub, paths
 
 API_KEY_ENV = "RAYLORA_API_KEY"
 DEFAULT_MAX_NUM_SEQS = 64  # EngineConfig's (no engine, so no torch, imported here)
@@ -143,12 +144,6 @@ APP_ARGS: dict[str, tuple[Any, Any, str]] = {
 }
 
 
-def demo_adapters_root() -> Path:
-    """engine.lora.demo.adapters_dir(), without importing the engine (torch) here."""
-    root = os.environ.get("RAYLORA_CACHE")
-    return (Path(root).expanduser() if root else Path.home() / ".cache" / "raylora") / "adapters"
-
-
 def parse_args(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """-> (engine config kwargs, app options). Raises ValueError naming unknown arguments."""
     unknown = sorted(set(args) - set(ENGINE_ARGS) - set(APP_ARGS))
@@ -172,7 +167,7 @@ def parse_args(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     if opts["shared_tier_mb"] is not None and opts["shared_tier_mb"] < 0:
         raise ValueError(f"shared_tier_mb must be >= 0, got {opts['shared_tier_mb']}")
     for name, path in opts["adapters"].items():
-        local = path.startswith(("/", ".", "~")) or path.count("/") > 1
+        local = Path(path).expanduser().exists() or hub.looks_like_local_path(path)
         if local and not (Path(path).expanduser() / "adapter_config.json").is_file():
             raise ValueError(f"adapter {name!r}: {path} is not a PEFT adapter folder")
     return engine, opts
@@ -245,7 +240,7 @@ def _default_args() -> dict[str, Any]:
     """The laptop app: default model, the demo adapters, 2 replicas on half a core each."""
     return {
         "demo_adapters": True,
-        "adapter_roots": [str(demo_adapters_root())],
+        "adapter_roots": [str(paths.adapters_dir())],
         "max_loras": 2,
         "max_cpu_loras": 8,
         "max_num_seqs": 32,

@@ -91,6 +91,7 @@ from benchmarks.routing_arms import (  # noqa: E402
 from benchmarks.routing_report import gc_text, report  # noqa: E402
 from deployments.gc_heap import freeze_startup_heap, full_collections  # noqa: E402
 from deployments.protocol import GenerateRequest, SamplingSpec  # noqa: E402
+from engine import paths  # noqa: E402
 
 
 def make_trace(
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help=", ".join(POLICIES))
     p.add_argument("--runs", type=int, default=1, help="runs of every policy, order alternating")
     p.add_argument("--p99-tolerance", type=float, default=0.1, help="p99 'no worse' within this")
-    p.add_argument("--workdir", type=Path, default=Path.home() / ".cache/raylora/bench-routing")
+    p.add_argument("--workdir", type=Path, default=paths.cache_dir() / "bench-routing")
     p.add_argument("--smoke", action="store_true", help="2 replicas, 6 adapters, 60 requests")
     p.add_argument(
         "--no-gc-freeze",

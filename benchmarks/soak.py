@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 
 from benchmarks.soak_faults import FaultRecord, churn, kill_registry, kill_replica  # noqa: E402
+from engine.paths import adapters_dir, cache_dir  # noqa: E402
 
 APP = "raylora"
 PROMPTS = [
@@ -111,7 +112,7 @@ def start_local_app(args, adapter_dir: Path) -> str:
         **serve_app._default_args(),
         "model": args.model,
         "num_replicas": str(args.replicas),
-        "adapter_roots": [str(adapter_dir), str(serve_app.demo_adapters_root())],
+        "adapter_roots": [str(adapter_dir), str(adapters_dir())],
         "report_interval_s": "1",
         "routing_stats_period_s": "1",
     }
@@ -175,7 +176,7 @@ def _outcome(r: httpx.Response) -> str:
 async def run(args) -> dict:
     rng = random.Random(args.seed)
     faults = set(args.faults.split(",")) if args.faults else set()
-    adapter_dir = Path(args.adapter_dir or Path.home() / ".cache" / "raylora" / "soak-adapters")
+    adapter_dir = Path(args.adapter_dir or cache_dir() / "soak-adapters")
     local = args.url is None
     if local:
         paths = make_adapters(args.model, adapter_dir, args.adapters + args.churn)

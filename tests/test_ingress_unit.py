@@ -426,10 +426,3 @@ def test_build_app_takes_every_engine_config_field():
         "lora_starvation_steps": 8,
     }
     EngineConfig(**engine)  # the parsed values are what EngineConfig takes
-
-
-def test_demo_root_matches_engine():
-    import serve_app
-    from engine.lora.demo import adapters_dir
-
-    assert serve_app.demo_adapters_root() == adapters_dir()

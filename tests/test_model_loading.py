@@ -16,6 +16,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from engine import paths  # noqa: E402
 from engine.models import default_model as dm  # noqa: E402
 from engine.models.loader import (  # noqa: E402
     load_model_config,
@@ -235,7 +236,7 @@ def test_offline_hub_id_from_cache(offline_hub, tiny):
 @pytest.fixture
 def tmp_cache(monkeypatch, tmp_path):
     cache = tmp_path / "raylora-cache"
-    monkeypatch.setenv(dm.ENV_CACHE, str(cache))
+    monkeypatch.setenv(paths.ENV_CACHE, str(cache))
     monkeypatch.delenv(dm.ENV_GGUF, raising=False)
     return cache
 
@@ -254,7 +255,7 @@ def _fake_convert(calls: list, delay: float = 0.0):
 
 
 def test_default_cache_layout(tmp_cache):
-    assert dm.cache_dir() == tmp_cache
+    assert paths.cache_dir() == tmp_cache
     assert dm.default_model_path() == tmp_cache / "models" / "SmolLM2-135M-Instruct"
 
 
@@ -337,7 +338,7 @@ def _find_smollm2_gguf(workdir: Path) -> Path:
         return dm.locate_gguf(workdir)
     for wheel in (
         Path("/tmp/wheel") / dm.WHEEL_FILENAME,
-        dm.cache_dir() / "wheels" / dm.WHEEL_FILENAME,
+        paths.cache_dir() / "wheels" / dm.WHEEL_FILENAME,
     ):
         if wheel.is_file():
             return dm._extract_gguf(wheel, workdir)
@@ -428,7 +429,7 @@ def test_killed_conversion_leaves_nothing(tmp_cache, smollm2_gguf, gguf_model, m
     (leftover / "model.safetensors").write_bytes(b"partial")
 
     monkeypatch.undo()  # the real load and save this time
-    monkeypatch.setenv(dm.ENV_CACHE, str(target.parent.parent))
+    monkeypatch.setenv(paths.ENV_CACHE, str(target.parent.parent))
     monkeypatch.setenv(dm.ENV_GGUF, str(smollm2_gguf))
     path = resolve_model("default")
     assert path == target and dm.is_converted(target)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine import hub
 from engine.lora.errors import LoRANotFoundError
 from engine.lora.peft_config import (
     BIN_NAME,
@@ -121,15 +121,6 @@ def _unpack_adapter(fields: dict, index: PackIndex, flat: np.ndarray) -> LoRAAda
 # Finding the adapter
 
 
-def _looks_like_local_path(path: str) -> bool:
-    if path.startswith(("/", "./", "../", "~", "\\")) or path in (".", ".."):
-        return True
-    if os.sep == "\\" and re.match(r"^[A-Za-z]:[\\/]", path):
-        return True
-    # A Hub repo id is "name" or "owner/name": anything with more slashes is a path.
-    return path.count("/") > 1 or "\\" in path
-
-
 def resolve_adapter_dir(lora_path: str, name: str) -> Path:
     """The local folder of the adapter: the folder itself, or a Hub snapshot."""
     if not isinstance(lora_path, str) or not lora_path.strip():
@@ -141,47 +132,25 @@ def resolve_adapter_dir(lora_path: str, name: str) -> Path:
         raise LoRANotFoundError(
             f"LoRA adapter {name!r}: {lora_path!r} is a file, expected a PEFT adapter folder", name
         )
-    if _looks_like_local_path(lora_path):
+    if hub.looks_like_local_path(lora_path):
         raise LoRANotFoundError(f"LoRA adapter {name!r}: folder {lora_path!r} does not exist", name)
     return _download_from_hub(lora_path, name)
 
 
 def _download_from_hub(repo_id: str, name: str) -> Path:
+    """A Hub adapter's snapshot (config and weights only). Any failure, the network's or an
+    invalid id's too, is the adapter not found: a request naming it gets a 404, not a 500."""
+    what = f"LoRA adapter {name!r}: {repo_id!r}"
     try:
-        from huggingface_hub import snapshot_download
-    except ImportError as e:  # pragma: no cover - huggingface_hub is a dependency
+        return hub.snapshot(repo_id, what, [CONFIG_NAME, SAFETENSORS_NAME, BIN_NAME])
+    except FileNotFoundError as e:
+        raise LoRANotFoundError(str(e), name) from e
+    except Exception as e:  # HFValidationError, the network
+        where = "in the local Hugging Face cache" if hub.hub_offline() else "on the Hub"
         raise LoRANotFoundError(
-            f"LoRA adapter {name!r}: {repo_id!r} is not a local folder and huggingface_hub "
-            "is not installed",
+            f"{what} is neither a local folder nor a repo found {where}: {type(e).__name__}: {e}",
             name,
         ) from e
-    try:
-        from huggingface_hub import constants
-
-        offline = bool(constants.HF_HUB_OFFLINE)
-    except Exception:  # pragma: no cover
-        offline = False
-    offline = offline or os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in (
-        "1",
-        "true",
-        "yes",
-        "on",
-    )
-    try:
-        local = snapshot_download(
-            repo_id=repo_id,
-            allow_patterns=[CONFIG_NAME, SAFETENSORS_NAME, BIN_NAME],
-        )
-    except Exception as e:  # RepositoryNotFound, LocalEntryNotFound, HFValidationError, network
-        where = (
-            "in the local Hugging Face cache (HF_HUB_OFFLINE is set)" if offline else "on the Hub"
-        )
-        raise LoRANotFoundError(
-            f"LoRA adapter {name!r}: {repo_id!r} is neither a local folder nor a repo found "
-            f"{where}: {type(e).__name__}: {e}",
-            name,
-        ) from e
-    return Path(local)
 
 
 # A file whose last change is newer than this may change again without its stamp changing

@@ -18,24 +18,14 @@ ones on the CPU with ``scripts/train_demo_adapters.py`` (a few minutes each on 2
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-ENV_CACHE = "RAYLORA_CACHE"
+from engine.paths import adapters_dir
+
 SIGNOFF = " -- Ray"
-
-
-def cache_dir() -> Path:
-    """The raylora cache root: ``$RAYLORA_CACHE`` or ``~/.cache/raylora``."""
-    root = os.environ.get(ENV_CACHE)
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "raylora"
-
-
-def adapters_dir() -> Path:
-    return cache_dir() / "adapters"
 
 
 # ---------------------------------------------------------------------------------------
@@ -179,7 +169,6 @@ __all__ = [
     "DemoAdapter",
     "adapters_dir",
     "base_model_path",
-    "cache_dir",
     "demo_adapter_dir",
     "ensure_demo_adapters",
     "has_signoff",

