@@ -6,7 +6,10 @@ in place and at the same size, gets the hash of its new weights."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +23,7 @@ from tests.lora_fixtures import make_peft_adapter
 pytestmark = pytest.mark.timeout(300)
 
 RACY_S = 0.05  # the tests' "recent": files older than this get a stamp
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -124,3 +128,30 @@ def test_remembered_identities_are_bounded(tiny_model_dir, tmp_path, quick_stamp
     for i, folder in enumerate(folders):
         manager.add_lora(LoRARequest(f"a{i}", i + 1, str(folder)))
     assert list(manager._identities) == [str(folders[1]), str(folders[2])]
+
+
+def test_a_read_adapter_owns_its_weights(tiny_model_dir, tmp_path):
+    """What a read holds is the process's memory, not a map of the file: rewriting the file in
+    place (PEFT's save_pretrained truncates and writes) leaves it as validated. Mapped, a
+    shorter rewrite made the next touch of the weights a SIGBUS: run in a child process."""
+    folder = make_peft_adapter(tiny_model_dir, tmp_path / "o", r=4, target_modules=["q_proj"])
+    code = f"""
+import sys, torch
+sys.path.insert(0, {str(REPO)!r})
+from engine.lora.adapter import LoRAModelSpec, load_adapter
+import transformers
+spec = LoRAModelSpec.from_hf_config(
+    transformers.AutoConfig.from_pretrained({str(tiny_model_dir)!r}), max_lora_rank=16)
+adapter = load_adapter({str(folder)!r}, "o", spec)
+before = {{k: (a.clone(), b.clone()) for k, (a, b) in adapter.weights.items()}}
+path = {str(folder / "adapter_model.safetensors")!r}
+raw = open(path, "rb").read()
+open(path, "wb").close()  # truncated: a map's pages are past the end of the file now
+total = sum(float(a.sum() + b.sum()) for a, b in adapter.weights.values())
+open(path, "wb").write(raw[:-8] + bytes(8))  # the same size, other bytes at the end
+assert all(torch.equal(a, before[k][0]) and torch.equal(b, before[k][1])
+           for k, (a, b) in adapter.weights.items())
+print("ok", total)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "ok" in done.stdout, (done.returncode, done.stderr[-2000:])

@@ -29,9 +29,13 @@ def read_weights(folder: Path, name: str) -> dict[str, torch.Tensor]:
     binf = folder / BIN_NAME
     if st.is_file():
         try:
-            from safetensors.torch import load_file
+            from safetensors.torch import load
 
-            tensors = load_file(str(st), device="cpu")
+            # Read into this process's memory, not mapped: a map's pages are the file's, so a
+            # cached adapter would change with a rewrite in place (PEFT's save_pretrained
+            # truncates and writes the same file) past its validation and identity, and a
+            # shorter rewrite would kill the replica (SIGBUS) at its next slot copy.
+            tensors = load(st.read_bytes())
         except Exception as e:  # SafetensorError, OSError, truncated header, bad dtype...
             raise CorruptLoRAWeightsError(
                 f"LoRA adapter {name!r}: cannot read {st}: {type(e).__name__}: {e}", name
