@@ -1,11 +1,14 @@
-"""An adapter's identity (the sha256 of its weights, which keys its prefix-cache blocks) is
-remembered per folder while the folder's files keep their stamp (engine/lora/adapter.py
-source_stamp): a reread after a CPU-cache eviction skips the hash; a file written since, even
-in place and at the same size, gets the hash of its new weights."""
+"""An adapter's identity keys its prefix-cache blocks. Read from a settled local folder it is
+the folder's files as read (engine/lora/adapter.py source_stamp, unchanged from before the
+read to after it; manager.folder_identity): no pass over the weights, the same for a reread
+and for another name or path of the same folder, another after any write (in place and at
+the same size too). Files just written, or written during the read, get the sha256 of the
+weights (adapter_identity)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -13,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import engine.lora.adapter as adapter_module
 import engine.lora.manager as manager_module
@@ -33,7 +37,7 @@ def quick_stamps(monkeypatch):
 
 @pytest.fixture
 def hashes(monkeypatch) -> list[str]:
-    """Every identity LoRAManager hashes, in order."""
+    """Every weights hash LoRAManager takes, in order."""
     made: list[str] = []
 
     def counted(adapter):
@@ -82,52 +86,69 @@ def test_stamp_only_for_settled_local_folders(tiny_model_dir, tmp_path, quick_st
     assert again[1][0] == stamp[1][0]  # the same inode: only the times tell
 
 
-def test_reread_of_unchanged_files_skips_the_hash(tiny_model_dir, tmp_path, quick_stamps, hashes):
-    folders = {
-        name: make_peft_adapter(
+def _manager(tiny_model_dir):
+    cfg = EngineConfig(model=tiny_model_dir, enable_lora=True, max_loras=1, max_cpu_loras=1)
+    return LLMEngine(cfg).model_runner.lora_manager
+
+
+def test_a_settled_folder_is_identified_by_its_files_without_a_hash(
+    tiny_model_dir, tmp_path, hashes, monkeypatch
+):
+    monkeypatch.setattr(adapter_module, "RACY_S", 1.0)  # x is read well within it
+    manager = _manager(tiny_model_dir)
+    folders = {}
+    for name, seed in (("x", 1), ("y", 2)):
+        folders[name] = make_peft_adapter(
             tiny_model_dir, tmp_path / name, r=4, target_modules=["q_proj", "v_proj"], seed=seed
         )
-        for name, seed in (("x", 1), ("y", 2))
-    }
-    _age()
-    cfg = EngineConfig(model=tiny_model_dir, enable_lora=True, max_loras=1, max_cpu_loras=1)
-    manager = LLMEngine(cfg).model_runner.lora_manager
-    x, y = (LoRARequest(n, i + 1, str(folders[n])) for i, n in enumerate(folders))
-    first = manager.add_lora(x).identity
+        if name == "x":
+            x = LoRARequest("x", 1, str(folders["x"]))
+            racy = manager.add_lora(x).identity  # files just written: the weights' hash
+    y = LoRARequest("y", 2, str(folders["y"]))
+    assert hashes == [racy]
+    time.sleep(2.0)
     manager.add_lora(y)  # evicts x: a CPU cache of one
-    assert manager.add_lora(x).identity == first  # read again, not hashed again
-    assert len(hashes) == 2 and hashes[0] == first
-
-    _rewrite_in_place(folders["x"], 3.0)
-    manager.add_lora(y)  # evicts x
-    racy = manager.add_lora(x)  # files just written: hashed, and not remembered
-    assert len(hashes) == 3 and racy.identity != first
-    assert racy.identity == adapter_identity(racy)
-    _age()
+    read = manager.add_lora(x)  # settled now: its files, no hash
+    first = read.identity
+    assert hashes == [racy] and first != racy
     manager.add_lora(y)
-    assert manager.add_lora(x).identity == racy.identity
-    assert len(hashes) == 4  # the settled files got their stamp on this read, with a hash
-    manager.add_lora(y)
-    assert manager.add_lora(x).identity == racy.identity
-    assert len(hashes) == 4
-    # the same folder under another name: the same identity, no hash
+    assert manager.add_lora(x).identity == first  # a reread
+    # the same folder under another name, and by another path: the same identity
     alias = LoRARequest("x-alias", 3, str(folders["x"]))
-    assert manager.add_lora(alias).identity == racy.identity
-    assert len(hashes) == 4
+    assert manager.add_lora(alias).identity == first
+    other_path = LoRARequest("x-path", 4, f"{tmp_path}/./x/")
+    assert manager.add_lora(other_path).identity == first
+
+    # a copy elsewhere is another adapter; in-place new weights another identity
+    copy = shutil.copytree(folders["x"], tmp_path / "x-copy", copy_function=shutil.copy2)
+    time.sleep(2.0)
+    assert manager.add_lora(LoRARequest("x-copy", 5, str(copy))).identity != first
+    _rewrite_in_place(folders["x"], 3.0)
+    time.sleep(2.0)
+    manager.add_lora(y)
+    changed = manager.add_lora(x)
+    assert changed.identity != first and hashes == [racy]
+    key = (0, "q_proj")
+    assert torch.allclose(changed.weights[key][0], 3 * read.weights[key][0])
 
 
-def test_remembered_identities_are_bounded(tiny_model_dir, tmp_path, quick_stamps, monkeypatch):
-    monkeypatch.setattr(manager_module, "MAX_REMEMBERED_IDENTITIES", 2)
-    folders = [
-        make_peft_adapter(tiny_model_dir, tmp_path / f"a{i}", r=4, target_modules=["q_proj"])
-        for i in range(3)
-    ]
+def test_files_written_during_the_read_get_the_weights_hash(
+    tiny_model_dir, tmp_path, quick_stamps, hashes, monkeypatch
+):
+    """The stamp is taken before the read and checked after it: a write in between means the
+    stamp may not name what was read, so the weights are hashed."""
+    folder = make_peft_adapter(tiny_model_dir, tmp_path / "w", r=4, target_modules=["q_proj"])
     _age()
-    cfg = EngineConfig(model=tiny_model_dir, enable_lora=True, max_loras=1, max_cpu_loras=1)
-    manager = LLMEngine(cfg).model_runner.lora_manager
-    for i, folder in enumerate(folders):
-        manager.add_lora(LoRARequest(f"a{i}", i + 1, str(folder)))
-    assert list(manager._identities) == [str(folders[1]), str(folders[2])]
+    read = manager_module.load_adapter
+
+    def read_then_write(path, name, spec):
+        adapter = read(path, name, spec)
+        _rewrite_in_place(folder, 2.0)  # lands after the read, before the check
+        return adapter
+
+    monkeypatch.setattr(manager_module, "load_adapter", read_then_write)
+    adapter = _manager(tiny_model_dir).add_lora(LoRARequest("w", 1, str(folder)))
+    assert hashes == [adapter.identity] and adapter.identity == adapter_identity(adapter)
 
 
 def test_a_read_adapter_owns_its_weights(tiny_model_dir, tmp_path):

@@ -180,11 +180,17 @@ def test_adapters_and_base_never_share_blocks(tiny_model_dir, adapters, models):
     assert stats["prefix_cache_hits"] == 3 * 36
 
 
-def test_adapter_reloaded_with_other_weights_never_reuses_its_blocks(tiny_model_dir, tmp_path):
+def test_adapter_reloaded_with_other_weights_never_reuses_its_blocks(
+    tiny_model_dir, tmp_path, monkeypatch
+):
     """vLLM's bug: an adapter reloaded in place under the same name reused its old blocks.
     Here the name and the path stay, the weights change: no hit, PEFT's output for the new
-    weights. The same weights loaded again (from another path) do hit: the identity is the
-    weights' content."""
+    weights. The same weights loaded again (from another path) do hit where the identity is
+    the weights' content: files written in the last RACY_S seconds, here all of them (a
+    settled folder's identity is its files, tests/test_adapter_identity.py)."""
+    import engine.lora.adapter as adapter_module
+
+    monkeypatch.setattr(adapter_module, "RACY_S", 1e9)
     path = tmp_path / "x"
     make_peft_adapter(tiny_model_dir, path, r=4, target_modules=["q_proj", "v_proj"], seed=21)
     old_model = peft_model(tiny_model_dir, path)

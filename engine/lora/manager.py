@@ -14,7 +14,6 @@ Modules an adapter does not target stay zero in its slot, so they contribute not
 import hashlib
 import os
 import sys
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -56,10 +55,6 @@ class AdapterTier(Protocol):
 # mount or adapters of hundreds of MB, where a copy from memory can save the request path.
 SLOW_LOCAL_READ_S = 0.25
 
-# folders whose identity LoRAManager remembers (by their files' stamps), the least recently
-# read dropped first: a few hundred bytes each
-MAX_REMEMBERED_IDENTITIES = 4096
-
 
 class LoRAManager:
     def __init__(
@@ -86,10 +81,6 @@ class LoRAManager:
         self.local_read_s: float | None = None
         self.local_read_cpu_s: float | None = None  # the reading thread's CPU time (quick_read)
         self.tier_fetch_s: float | None = None
-        # folder -> (source_stamp, identity) of its last read: a reread of unchanged files
-        # (after a CPU-cache eviction) skips the hash, ~13 ms of a core for 20 MB of weights
-        self._identities: dict[str, tuple[tuple, str]] = {}
-        self._identities_lock = threading.Lock()  # read_lora runs in worker threads
         self.linears = linears
         L, R = config.max_loras, config.max_lora_rank
         for lin in linears.values():
@@ -133,7 +124,11 @@ class LoRAManager:
         try:
             stamp = source_stamp(lora.lora_path) if local else None  # before the read
             adapter = load_adapter(lora.lora_path, lora.lora_name, self.spec)
-            adapter.identity = self._identity(lora.lora_path, stamp, adapter)
+            if stamp is not None and source_stamp(lora.lora_path) != stamp:
+                stamp = None  # written during the read: the stamp does not name what was read
+            adapter.identity = (
+                folder_identity(lora.lora_path, stamp) if stamp else adapter_identity(adapter)
+            )
         except BaseException:
             if use_tier:
                 tier.abandon(lora)  # another replica may be waiting for this read
@@ -146,24 +141,6 @@ class LoRAManager:
         elif tier is not None and local:
             tier.offer(lora, adapter)
         return adapter
-
-    def _identity(self, path: str, stamp: tuple | None, adapter: LoRAAdapter) -> str:
-        """adapter_identity(adapter), read from memory where `path`'s files have the stamp
-        they had before an earlier read of it (source_stamp: then they hold the same bytes,
-        and this manager's spec makes the same weights of them)."""
-        if stamp is not None:
-            with self._identities_lock:
-                known = self._identities.pop(path, None)
-                if known is not None and known[0] == stamp:
-                    self._identities[path] = known  # most recently read last
-                    return known[1]
-        identity = adapter_identity(adapter)
-        if stamp is not None:
-            with self._identities_lock:
-                self._identities[path] = (stamp, identity)
-                while len(self._identities) > MAX_REMEMBERED_IDENTITIES:
-                    del self._identities[next(iter(self._identities))]
-        return identity
 
     def read_costs_ms(self) -> dict[str, float | None]:
         """What tier_first and quick_read compare (moving averages; None until measured)."""
@@ -310,12 +287,25 @@ class LoRAManager:
         }
 
 
+def folder_identity(path: str, stamp: tuple) -> str:
+    """The identity of an adapter read from a local folder whose files had `stamp` before and
+    after the read (source_stamp: then they held the bytes the stamp names): sha256 of the
+    folder's real path and the stamp, no pass over the weights. Files written since (in
+    place too) get another stamp, so another identity: a reload from other weights never
+    reuses the old one's KV blocks, a reread of the same files after a CPU-cache eviction
+    does, under any name or path that reaches the same folder. A copy of the files in another
+    folder is another identity (as every adapter is to vLLM's prefix cache)."""
+    key = repr(("folder", os.path.realpath(os.path.expanduser(path)), stamp))
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
 def adapter_identity(adapter: LoRAAdapter) -> str:
     """sha256 of everything the adapter computes with: each (layer, module)'s A and B (bytes,
     shape, dtype) and the scaling. Its name and source are left out: the identity is the
     weights, so a reload from other weights under the same name never reuses the old one's
-    KV blocks, and a reread of the same weights (after a CPU-cache eviction) still does.
-    ~15 ms for 20 MB of weights."""
+    KV blocks, and a reread of the same weights still does. For what has no stamp (a Hub
+    repo, files written in the last RACY_S seconds, an adapter given as weights): ~13 ms of a
+    core for 20 MB of weights, as much as the read itself (folder_identity makes none)."""
     h = hashlib.sha256(f"scaling={adapter.scaling!r}".encode())
     for key in sorted(adapter.weights):
         h.update(repr(key).encode())
