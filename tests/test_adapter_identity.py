@@ -118,6 +118,9 @@ def test_a_settled_folder_is_identified_by_its_files_without_a_hash(
     assert manager.add_lora(alias).identity == first
     other_path = LoRARequest("x-path", 4, f"{tmp_path}/./x/")
     assert manager.add_lora(other_path).identity == first
+    monkeypatch.setenv("HOME", str(tmp_path))  # a local folder written with ~ is one too
+    assert manager.add_lora(LoRARequest("x-home", 6, "~/x")).identity == first
+    assert hashes == [racy]
 
     # a copy elsewhere is another adapter; in-place new weights another identity
     copy = shutil.copytree(folders["x"], tmp_path / "x-copy", copy_function=shutil.copy2)

@@ -184,7 +184,7 @@ class LoRAManager:
 
     def _read_source(self, lora: LoRARequest, tier: AdapterTier | None) -> tuple[bool, bool]:
         """(is `lora` a local folder, does read_lora ask `tier` first for it)."""
-        local = os.path.isdir(lora.lora_path or "")
+        local = os.path.isdir(os.path.expanduser(lora.lora_path or ""))
         return local, tier is not None and self.tier_first(local)
 
     def insert_lora(self, lora: LoRARequest, adapter: LoRAAdapter) -> LoRAAdapter:
