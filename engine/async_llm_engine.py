@@ -31,7 +31,6 @@ from collections.abc import AsyncGenerator, Callable
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, InjectedFault, RequestFailedError
-from engine.fair_lock import FairLock
 from engine.llm_engine import LLMEngine
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.manager import AdapterTier
@@ -49,7 +48,7 @@ Read = tuple[LoRARequest, LoRAAdapter]  # (the request read, the adapter)
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, engine: LLMEngine | None = None):
         self.engine = engine or LLMEngine(config or EngineConfig())
-        self._lock = FairLock()  # first come first served: the loop does not barge (fair_lock.py)
+        self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._streams: dict[str, Route] = {}  # req_id -> where its outputs go
         self._stopping = False
