@@ -144,8 +144,8 @@ def test_files_written_during_the_read_get_the_weights_hash(
     _age()
     read = manager_module.load_adapter
 
-    def read_then_write(path, name, spec):
-        adapter = read(path, name, spec)
+    def read_then_write(path, name, spec, folder=None):
+        adapter = read(path, name, spec, folder)
         _rewrite_in_place(folder, 2.0)  # lands after the read, before the check
         return adapter
 
@@ -179,3 +179,35 @@ print("ok", total)
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "ok" in done.stdout, (done.returncode, done.stderr[-2000:])
+
+
+def test_a_hub_adapters_snapshot_is_identified_by_its_files(
+    tiny_model_dir, tmp_path, quick_stamps, hashes, monkeypatch
+):
+    """A Hub repo id reads the repo's snapshot in the local cache (offline here): its files'
+    stamp is the identity as for a local folder, and a reread after an eviction makes no
+    hash."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    cache = tmp_path / "hf-cache"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / "models--raylora-tests--adapter"
+    snapshot = make_peft_adapter(
+        tiny_model_dir, repo / "snapshots" / commit, r=4, target_modules=["q_proj"]
+    )
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    other = make_peft_adapter(tiny_model_dir, tmp_path / "other", r=4, target_modules=["q_proj"])
+    _age()
+    manager = _manager(tiny_model_dir)
+    hub_lora = LoRARequest("hub", 1, "raylora-tests/adapter")
+    first = manager.add_lora(hub_lora)
+    stamp = adapter_module.source_stamp(str(snapshot))
+    assert first.identity == manager_module.folder_identity(str(snapshot), stamp)
+    assert first.source == "raylora-tests/adapter"
+    manager.add_lora(LoRARequest("other", 2, str(other)))  # evicts it: a CPU cache of one
+    assert manager.add_lora(hub_lora).identity == first.identity
+    assert hashes == []

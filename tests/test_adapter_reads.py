@@ -126,7 +126,8 @@ def test_a_failed_read_is_forgotten(tiny_model_dir, adapter, tmp_path, loads):
     async def main():
         eng = async_engine(tiny_model_dir)
         try:
-            missing = LoRARequest("m", 2, str(tmp_path / "nothing-here"))
+            (tmp_path / "no-adapter-here").mkdir()  # a folder, so the read itself fails
+            missing = LoRARequest("m", 2, str(tmp_path / "no-adapter-here"))
             for i in range(2):
                 with pytest.raises(LoRAError):
                     await texts(eng, missing, f"bad{i}")

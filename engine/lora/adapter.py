@@ -187,9 +187,12 @@ def source_stamp(lora_path: str) -> tuple | None:
 # ----------------------------------------------------------------------------------------
 
 
-def load_adapter(lora_path: str, name: str, spec: LoRAModelSpec) -> LoRAAdapter:
-    """Load and fully validate a PEFT LoRA adapter; raise a `LoRAError` subclass on any problem."""
-    folder = resolve_adapter_dir(lora_path, name)
+def load_adapter(
+    lora_path: str, name: str, spec: LoRAModelSpec, folder: Path | None = None
+) -> LoRAAdapter:
+    """Load and fully validate a PEFT LoRA adapter; raise a `LoRAError` subclass on any problem.
+    folder: where `lora_path` was resolved to already (resolve_adapter_dir), if it was."""
+    folder = folder or resolve_adapter_dir(lora_path, name)
     cfg = parse_config(read_config(folder, name), spec, name)
     weights = collect_weights(read_weights(folder, name), cfg, spec, name)
     scaling = cfg.alpha / math.sqrt(cfg.rank) if cfg.use_rslora else cfg.alpha / cfg.rank

@@ -22,7 +22,13 @@ from typing import Protocol
 import torch
 
 from engine.config import LoRAConfig
-from engine.lora.adapter import LoRAAdapter, LoRAModelSpec, load_adapter, source_stamp
+from engine.lora.adapter import (
+    LoRAAdapter,
+    LoRAModelSpec,
+    load_adapter,
+    resolve_adapter_dir,
+    source_stamp,
+)
 from engine.lora.request import LoRARequest
 from engine.models.llama import PACKED_MODULES, LoRALinear
 from raylora_kernels import SlotWeights
@@ -122,12 +128,14 @@ class LoRAManager:
                 return adapter
         t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
-            stamp = source_stamp(lora.lora_path) if local else None  # before the read
-            adapter = load_adapter(lora.lora_path, lora.lora_name, self.spec)
-            if stamp is not None and source_stamp(lora.lora_path) != stamp:
+            # the folder itself, or a Hub repo's snapshot in the local cache (downloaded once)
+            folder = resolve_adapter_dir(lora.lora_path, lora.lora_name)
+            stamp = source_stamp(str(folder))  # before the read
+            adapter = load_adapter(lora.lora_path, lora.lora_name, self.spec, folder)
+            if stamp is not None and source_stamp(str(folder)) != stamp:
                 stamp = None  # written during the read: the stamp does not name what was read
             adapter.identity = (
-                folder_identity(lora.lora_path, stamp) if stamp else adapter_identity(adapter)
+                folder_identity(str(folder), stamp) if stamp else adapter_identity(adapter)
             )
         except BaseException:
             if use_tier:
@@ -288,8 +296,8 @@ class LoRAManager:
 
 
 def folder_identity(path: str, stamp: tuple) -> str:
-    """The identity of an adapter read from a local folder whose files had `stamp` before and
-    after the read (source_stamp: then they held the bytes the stamp names): sha256 of the
+    """The identity of an adapter read from a local folder (or a Hub repo's snapshot in the
+    local cache) whose files had `stamp` before and after the read (source_stamp: then they held the bytes the stamp names): sha256 of the
     folder's real path and the stamp, no pass over the weights. Files written since (in
     place too) get another stamp, so another identity: a reload from other weights never
     reuses the old one's KV blocks, a reread of the same files after a CPU-cache eviction
@@ -303,8 +311,8 @@ def adapter_identity(adapter: LoRAAdapter) -> str:
     """sha256 of everything the adapter computes with: each (layer, module)'s A and B (bytes,
     shape, dtype) and the scaling. Its name and source are left out: the identity is the
     weights, so a reload from other weights under the same name never reuses the old one's
-    KV blocks, and a reread of the same weights still does. For what has no stamp (a Hub
-    repo, files written in the last RACY_S seconds, an adapter given as weights): ~13 ms of a
+    KV blocks, and a reread of the same weights still does. For what has no stamp (files
+    written in the last RACY_S seconds, an adapter given as weights): ~13 ms of a
     core for 20 MB of weights, as much as the read itself (folder_identity makes none)."""
     h = hashlib.sha256(f"scaling={adapter.scaling!r}".encode())
     for key in sorted(adapter.weights):
