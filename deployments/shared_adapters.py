@@ -268,8 +268,9 @@ class RayAdapterTier:
         while another node is alive: on one node every replica reads the folder itself, and
         the registry call per read and the put per adapter were cost alone (on the real
         routing benchmark affinity's misses reached their first token at p50 107 ms against
-        the peer's 90 with them, 84-97 against 85-93 without, docs/benchmarks.md). When a second node appears, the
-        publish thread offers what `cached` lists (checked every NODES_CHECK_S)."""
+        the peer's 90 with them, 84-97 against 85-93 without, docs/benchmarks.md). When a
+        second node appears, the publish thread offers what `cached` lists (checked every
+        NODES_CHECK_S)."""
         self._enqueue(lora, adapter, True)
 
     def publish(self, lora: LoRARequest, adapter: LoRAAdapter) -> None:

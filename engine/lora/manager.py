@@ -297,12 +297,13 @@ class LoRAManager:
 
 def folder_identity(path: str, stamp: tuple) -> str:
     """The identity of an adapter read from a local folder (or a Hub repo's snapshot in the
-    local cache) whose files had `stamp` before and after the read (source_stamp: then they held the bytes the stamp names): sha256 of the
-    folder's real path and the stamp, no pass over the weights. Files written since (in
-    place too) get another stamp, so another identity: a reload from other weights never
-    reuses the old one's KV blocks, a reread of the same files after a CPU-cache eviction
-    does, under any name or path that reaches the same folder. A copy of the files in another
-    folder is another identity (as every adapter is to vLLM's prefix cache)."""
+    local cache) whose files had `stamp` before and after the read (source_stamp: then they
+    held the bytes the stamp names): sha256 of the folder's real path and the stamp, no pass
+    over the weights. Files written since (in place too) get another stamp, so another
+    identity: a reload from other weights never reuses the old one's KV blocks, a reread of
+    the same files after a CPU-cache eviction does, under any name or path that reaches the
+    same folder. A copy of the files in another folder is another identity (as every adapter
+    is to vLLM's prefix cache)."""
     key = repr(("folder", os.path.realpath(os.path.expanduser(path)), stamp))
     return hashlib.sha256(key.encode()).hexdigest()
 
