@@ -193,7 +193,7 @@ def registry_waits() -> int:
 def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -> dict:
     from ray import serve
 
-    from benchmarks.routing_timing import cpu_by_role, cpu_used, percentile, summarize
+    from benchmarks import routing_timing as rt
 
     app_name = f"bench-{policy}"
     app = build_llm_app(policy, args, model, adapters)
@@ -209,11 +209,11 @@ def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -
         waits_before = registry_waits()
         driver_gc = full_collections()
         driver_gc_before = (driver_gc.count, driver_gc.total_ms)
-        cpu_before = cpu_by_role()
+        cpu_before = rt.cpu_by_role()
         t0 = time.perf_counter()
         latencies, timings, errors = asyncio.run(replay(handle, trace, args.max_tokens))
         wall = time.perf_counter() - t0
-        cpu = cpu_used(cpu_before, cpu_by_role())
+        cpu = rt.cpu_used(cpu_before, rt.cpu_by_role())
         driver_gc_run = (
             driver_gc.count - driver_gc_before[0],
             driver_gc.total_ms - driver_gc_before[1],
@@ -249,14 +249,15 @@ def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -
         "replica_gc": replica_gc,
         "replica_frozen": [s["gc"]["frozen_objects"] for s in after_stats.values()],
         "loads": activations + disk,
-        "p50_ms": 1000 * percentile(lat, 0.5),
-        "p99_ms": 1000 * percentile(lat, 0.99),
+        "p50_ms": 1000 * rt.percentile(lat, 0.5),
+        "p99_ms": 1000 * rt.percentile(lat, 0.99),
         "mean_ms": 1000 * statistics.fmean(lat) if lat else float("nan"),
         "cpu_cached_per_replica": resident,
         "wall_s": wall,
         "cpu_s": cpu,  # CPU seconds during the replay by role (routing_timing.cpu_by_role)
+        "thread_cpu_s": rt.thread_cpu_used(before_stats, after_stats),  # the replicas' by thread
         "latency_ms": {i: 1000 * x for i, x in sorted(latencies.items())},
-        "timing": summarize(timings) if timings else None,
+        "timing": rt.summarize(timings) if timings else None,
         "timings": timings,
     }
 
@@ -344,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from benchmarks.routing_timing import cpu_text, print_summary
+    from benchmarks.routing_timing import CPU_KEYS, print_summary, run_cpu_text
 
     ray.init(
         num_cpus=max(2, args.replicas),
@@ -371,8 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"replica {r['replica_frozen']})",
                     flush=True,
                 )
-                cpu = cpu_text(r["cpu_s"])
-                print(f"  run {run + 1} {policy}: CPU s during the replay: {cpu}", flush=True)
+                print(f"  run {run + 1} {policy}: {run_cpu_text(r)}", flush=True)
                 if r["timing"] is not None:
                     print_summary(policy, r["timing"])
     finally:
@@ -383,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.latencies_out is not None:
         runs = [
-            {k: r[k] for k in ("policy", "run", "latency_ms", "timings", "cpu_s")} for r in results
+            {k: r[k] for k in ("policy", "run", "latency_ms", "timings", *CPU_KEYS)}
+            for r in results
         ]
         args.latencies_out.write_text(json.dumps({"trace": trace, "runs": runs}))
         print(f"latencies: {args.latencies_out}")

@@ -56,6 +56,7 @@ def test_percentiles_pool_every_run_of_an_arm(tmp_path, capsys):
     # run's neither (20-24 ms)
     assert decode_alone(record) == [(0, "x", 10.0, 5), (0, "y", 14.0, 5), (1, "y", 10.0, 5)]
     record["runs"][1]["cpu_s"] = {"replicas": 12.34, "driver": 2.0}  # one run has CPU figures
+    record["runs"][1]["thread_cpu_s"] = {f"t{i}": float(i) for i in range(10)}  # 8 busiest
     path = tmp_path / "lat.json"
     path.write_text(json.dumps(record))
     main([str(path)])
@@ -64,8 +65,9 @@ def test_percentiles_pool_every_run_of_an_arm(tmp_path, capsys):
     assert "y: mean ms, all runs: first_token 4.50 rest 12.00" in out  # (6 + 3) / 2, (14 + 10) / 2
     assert "0:y 14.0, 1:y 10.0" in out
     assert "nothing else in flight (the machine's speed): 0:x 10.0 (5)" in out
-    assert "CPU s during run 0:y: driver 2.0, replicas 12.3" in out
-    assert "CPU s during run 0:x" not in out and "run 1:y" not in out
+    threads = "the replicas' threads: t2 2.0, t3 3.0, t4 4.0, t5 5.0, t6 6.0, t7 7.0, t8 8.0, t9"
+    assert f"run 0:y: CPU s during the replay: driver 2.0, replicas 12.3; {threads} 9.0\n" in out
+    assert "run 0:x:" not in out and "run 1:y:" not in out
 
 
 def test_decode_alone_leaves_out_overlapping_requests():
@@ -115,6 +117,44 @@ def test_cpu_by_role_counts_a_titled_process_and_this_one():
     assert 0.55 <= used["marked"] <= 0.8  # its spin, and no more than its start-up besides
     assert set(used) >= {"driver", "marked", "other"}
     assert all(v >= 0 for v in used.values())
+
+
+def test_thread_cpu_names_a_python_thread_and_sums_replicas():
+    """A Python thread's CPU is counted under its name less the trailing number, as its own
+    clock (time.thread_time) counts it; thread_cpu_used sums the difference over replicas."""
+    import threading
+    import time
+
+    from benchmarks.routing_timing import thread_cpu, thread_cpu_used
+
+    spun, go, stop = {}, threading.Event(), threading.Event()
+
+    def spin() -> None:
+        go.wait()
+        t = time.thread_time()
+        while time.thread_time() - t < 0.4:
+            pass
+        spun["s"] = time.thread_time()
+        stop.wait()
+
+    thread = threading.Thread(target=spin, name="spinner_12")
+    thread.start()
+    try:
+        before = thread_cpu()
+        go.set()
+        while "s" not in spun:
+            time.sleep(0.01)
+        after = thread_cpu()
+    finally:
+        stop.set()
+        thread.join()
+    assert "spinner" in after and "spinner_12" not in after
+    assert abs(after["spinner"] - spun["s"]) <= 0.05  # clock ticks: 10 ms each
+    assert after["spinner"] - before.get("spinner", 0.0) >= 0.35
+    assert "MainThread" in after
+    stats = {"r1": {"thread_cpu": {"a": 1.0, "b": 2.0}}, "r2": {"thread_cpu": {"a": 0.5}}}
+    later = {"r1": {"thread_cpu": {"a": 1.5, "b": 2.0}}, "r2": {"thread_cpu": {"a": 1.0}}}
+    assert thread_cpu_used(stats, later) == {"a": 1.0, "b": 0.0}
 
 
 def test_residency_rows_pool_runs_and_skip_files_without_it(tmp_path, capsys):
