@@ -18,8 +18,8 @@ holders (`on_request_routed`). Adapter requests are routed on the adapter alone:
 adapter's requests already share replicas, and its cached prefixes are its own.
 
 Requests in flight: the router counts, per replica, the adapters of the requests it sent
-that have not finished (`on_request_routed` until Ray's `on_request_completed`; router_memory
-`InFlight`); a tail adapter skips a holder whose max_loras slots they or popular adapters
+that have not finished (`on_request_routed` until Ray's `on_request_completed`, and from the
+ranking that chose a replica alone until then: router_memory `InFlight`); a tail adapter skips a holder whose max_loras slots they or popular adapters
 all keep, where the replica it would go to instead reports `reads_shared` or the holder's
 slots all run (`rank_replicas`' `in_tail`, docs/routing.md).
 
@@ -304,7 +304,7 @@ class AdapterAffinityRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        self._last_route_time = self._get_curr_time_s()
+        self._last_route_time = now = self._get_curr_time_s()
         self._ensure_refresh_task()
         if not candidate_replicas:
             return []
@@ -323,7 +323,8 @@ class AdapterAffinityRouter(RequestRouter):
         residency = self._snapshot_residency()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         views = [self._view(r, residency) for r in candidate_replicas]
-        views = self._inflight.apply(self._recent.apply(views, self._get_curr_time_s()))
+        request_id = pending_request.metadata.internal_request_id if pending_request else ""
+        views = self._inflight.apply(self._recent.apply(views, now), now, request_id)
         sent_to = self._prefix_holders.get(adapter_id) if adapter_id.startswith("prefix:") else None
         if sent_to:  # keeps the other fields (what RecentRoutes added)
             views = [
@@ -348,21 +349,27 @@ class AdapterAffinityRouter(RequestRouter):
             else partial(self._popularity.in_tail, rank=tail_rank(len(candidate_replicas), slots)),
             idle_first=self._idle_first,
         )
-        self._note_new_read(adapter_id, tiers)
+        self._note_choice(adapter_id, tiers, request_id, now)
         return [[by_id[v.replica_id] for v in tier] for tier in tiers]
 
-    def _note_new_read(self, adapter_id: str, tiers: list[list[ReplicaView]]) -> None:
-        """Count a first tier of one replica that neither holds nor reads the adapter (a new
-        home, or a placed adapter's next home) as reading it now. Ray routes a burst's
-        requests concurrently and calls on_request_routed only after the replica accepted
-        (a round trip), so without this every request of a burst for a new adapter sees it
-        held nowhere and may open another home: two disk reads. If Ray sends the request
-        elsewhere (that replica's queue full), the note expires after recent_routes_s."""
+    def _note_choice(
+        self, adapter_id: str, tiers: list[list[ReplicaView]], request_id: str, now: float
+    ) -> None:
+        """A first tier of one replica is where Ray sends the request unless its queue is
+        full. Ray routes a burst's requests concurrently and calls on_request_routed only
+        after the replica accepted (a round trip), so the next request of the burst must
+        see this one: as running there (InFlight.chosen: a tail adapter needs a slot) and,
+        if the replica neither holds nor reads the adapter (a new home, or a placed
+        adapter's next home), as reading it (else a burst for a new adapter sees it held
+        nowhere and may open another home: two disk reads). If Ray sends it elsewhere,
+        on_request_routed corrects the first; the second expires after recent_routes_s."""
         if not adapter_id or adapter_id.startswith("prefix:") or not tiers or len(tiers[0]) != 1:
             return
         (first,) = tiers[0]
+        if request_id:
+            self._inflight.chosen(request_id, first.replica_id, adapter_id, now)
         if not first.holds(adapter_id) and not first.in_cpu(adapter_id):
-            self._recent.record(first.replica_id, adapter_id, self._get_curr_time_s())
+            self._recent.record(first.replica_id, adapter_id, now)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         """Count the request for the placement and remember where a base request's prefix

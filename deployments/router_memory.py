@@ -50,14 +50,31 @@ class InFlight:
     once, so when this router alone has that many others in flight there, a request for
     one more waits for a slot. Routers learn residency late and not per request; this they
     know exactly for their own traffic (Ray calls `on_request_completed` once per request).
-    Entries older than `max_age_s` are dropped (a completion that never came)."""
+    Entries older than `max_age_s` are dropped (a completion that never came).
 
-    def __init__(self, max_age_s: float = 600.0) -> None:
+    A request is *chosen* for a replica (`chosen`) before it is sent: Ray ranks the requests
+    of a burst concurrently and reports each as routed (`sent`) only after its replica
+    accepted it, a round trip later, so without this every request of a burst sees the
+    replicas as the first did: the burst's tail adapters all take the one replica with a
+    slot free. A chosen request counts as running there until it is sent, finishes, or
+    `chosen_s` passes (Ray sent it nowhere). Its load needs no such note: Ray adds a request
+    to its replica's queue length as it sends it, before the round trip."""
+
+    def __init__(self, max_age_s: float = 600.0, chosen_s: float = 2.0) -> None:
         self.max_age_s = max_age_s
+        self.chosen_s = chosen_s
         self._requests: dict[str, tuple[str, str, float]] = {}  # id -> (replica, adapter, at)
         self._running: dict[str, dict[str, int]] = {}  # replica -> adapter -> requests
+        self._chosen: dict[str, tuple[str, str, float]] = {}  # id -> (replica, adapter, at)
+
+    def chosen(self, request_id: str, replica_id: str, adapter_id: str, now: float) -> None:
+        """The router ranked `replica_id` alone first for the request: Ray sends it there
+        unless that replica's queue is full. A later choice for the same request replaces it."""
+        if adapter_id and not adapter_id.startswith("prefix:") and request_id not in self._requests:
+            self._chosen[request_id] = (replica_id, adapter_id, now)
 
     def sent(self, request_id: str, replica_id: str, adapter_id: str, now: float) -> None:
+        self._chosen.pop(request_id, None)
         if not adapter_id or adapter_id.startswith("prefix:") or request_id in self._requests:
             return
         self._requests[request_id] = (replica_id, adapter_id, now)
@@ -67,6 +84,7 @@ class InFlight:
             self._expire(now)
 
     def done(self, request_id: str) -> None:
+        self._chosen.pop(request_id, None)
         entry = self._requests.pop(request_id, None)
         if entry is None:
             return
@@ -80,10 +98,24 @@ class InFlight:
         for rid in [r for r, (_, _, t) in self._requests.items() if now - t > self.max_age_s]:
             self.done(rid)
 
-    def apply(self, views: Sequence[ReplicaView]) -> list[ReplicaView]:
-        return [
-            replace(v, adapters_running=frozenset(running))
-            if (running := self._running.get(v.replica_id))
-            else v
-            for v in views
-        ]
+    def apply(
+        self, views: Sequence[ReplicaView], now: float | None = None, request_id: str = ""
+    ) -> list[ReplicaView]:
+        """`views` with the adapters of this router's requests in flight (and, given `now`,
+        of those chosen and not yet sent, other than `request_id`: the one being ranked again)
+        as adapters running."""
+        chosen: dict[str, list[str]] = {}  # replica -> adapters of its chosen requests
+        if now is not None and self._chosen:
+            for rid in [r for r, (_, _, t) in self._chosen.items() if now - t > self.chosen_s]:
+                del self._chosen[rid]
+            for rid, (replica_id, adapter_id, _) in self._chosen.items():
+                if rid != request_id:
+                    chosen.setdefault(replica_id, []).append(adapter_id)
+        out = []
+        for v in views:
+            running = self._running.get(v.replica_id)
+            extra = chosen.get(v.replica_id)
+            if running or extra:
+                v = replace(v, adapters_running=frozenset(running or ()) | frozenset(extra or ()))
+            out.append(v)
+        return out
