@@ -18,16 +18,14 @@ holders (`on_request_routed`). Adapter requests are routed on the adapter alone:
 adapter's requests already share replicas, and its cached prefixes are its own.
 
 Requests in flight: the router counts, per replica, the adapters of the requests it sent
-that have not finished (`on_request_routed` until Ray's `on_request_completed`, and from the
-ranking that chose a replica alone until then: router_memory `InFlight`); a tail adapter skips a holder whose max_loras slots they or popular adapters
-all keep, where the replica it would go to instead reports `reads_shared` or the holder's
-slots all run (`rank_replicas`' `in_tail`, docs/routing.md).
+that have not finished (`on_request_routed` until Ray's `on_request_completed`, and from
+the ranking that chose a replica alone until then: router_memory `InFlight`); a tail
+adapter skips a holder whose max_loras slots they or popular adapters all keep, where the
+replica it would go to instead reports `reads_shared` or the holder's slots all run
+(`rank_replicas`' `in_tail`, docs/routing.md).
 
-Routing never waits on the registry: a failed or slow refresh keeps the previous snapshot,
-and a snapshot older than `registry_max_age_s` is ignored (the other sources still count).
-The refresh task starts with the first routed request and stops by itself when Ray is shut
-down in this process (a driver's router loop outlives `ray.shutdown()`) or when nothing was
-routed for `registry_max_age_s`; the next request starts it again.
+Routing never waits on the registry (deployments/router_registry.py: the snapshot is
+refreshed in the background, and one older than `registry_max_age_s` is ignored).
 
 Placement (deployments/placement.py, which says how homes are chosen and grown): the router
 counts every request it routes (`on_request_routed`; base requests count in the total) and
@@ -46,16 +44,12 @@ report (their engines' batch size), no cap while none reports it.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import random
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from functools import partial
 from typing import Any
 
-import ray
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from deployments.placement import (
@@ -71,6 +65,7 @@ from deployments.placement import (
     PlacementPlanner,
 )
 from deployments.router_memory import InFlight, RecentRoutes
+from deployments.router_registry import RegistrySnapshots, SnapshotFetch
 from deployments.routing_policy import (
     DEFAULT_COUNT_SLACK,
     DEFAULT_LOAD_BOUND_C,
@@ -81,27 +76,10 @@ from deployments.routing_policy import (
     tail_rank,
 )
 
-logger = logging.getLogger("ray.serve")
-
-SnapshotFetch = Callable[[], Awaitable[dict]]
 MAX_PREFIX_KEYS = 4096  # prefix keys remembered (key -> replicas it was routed to), LRU
 
 
-class RayShutDown(Exception):
-    """Raised by a snapshot fetch when Ray is no longer initialized in this process."""
-
-
-async def _fetch_registry_snapshot() -> dict:
-    from deployments.registry import get_registry
-
-    if not ray.is_initialized():
-        raise RayShutDown()
-    # get_actor is a blocking GCS lookup: keep it off the event loop.
-    handle = await asyncio.to_thread(get_registry)
-    return await handle.snapshot.remote()
-
-
-class AdapterAffinityRouter(RequestRouter):
+class AdapterAffinityRouter(RegistrySnapshots, RequestRouter):
     """Adapter requests stay on the replicas holding the adapter (a hot one on up to k
     placed homes); a new adapter goes to a replica with the fewest adapters; base requests
     with a long prompt follow their prefix key's hash order; other base requests: power of
@@ -141,9 +119,6 @@ class AdapterAffinityRouter(RequestRouter):
         self._load_bound_c = float(load_bound_c)
         self._min_load_bound = int(min_load_bound)
         self._count_slack = float(count_slack)
-        self._registry_refresh_s = float(registry_refresh_s)
-        self._registry_max_age_s = float(registry_max_age_s)
-        self._use_registry = bool(use_registry)
         self._rng = random.Random(seed)
         self._max_loras = None if max_loras is None else int(max_loras)
         self._use_placement = bool(use_placement)
@@ -164,12 +139,7 @@ class AdapterAffinityRouter(RequestRouter):
         self._planner: PlacementPlanner | None = None
         if self._use_placement and self._max_loras is not None:
             self._planner = self._new_planner(self._max_loras)
-        # Injectable so tests need no cluster; the clock is RequestRouter's get_curr_time_s.
-        self._fetch_snapshot: SnapshotFetch = fetch_snapshot or _fetch_registry_snapshot
-        self._snapshot: dict | None = None
-        self._snapshot_time: float | None = None
-        self._refresh_ok = True
-        self._last_route_time: float | None = None
+        self._init_snapshots(registry_refresh_s, registry_max_age_s, use_registry, fetch_snapshot)
         # prefix key -> the replicas this router sent it to, most recent last (LRU of keys):
         # they hold that prefix's KV, as residency tells where an adapter is
         self._prefix_holders: OrderedDict[str, list[str]] = OrderedDict()
@@ -179,57 +149,6 @@ class AdapterAffinityRouter(RequestRouter):
         # the adapters of this router's requests not finished yet, per replica: a tail
         # adapter avoids a replica whose slots they all take (rank_replicas' `in_tail`)
         self._inflight = InFlight()
-        if getattr(self, "_refresh_task", None) is not None:
-            self._refresh_task.cancel()
-        self._refresh_task: asyncio.Task | None = None
-
-    # -- registry snapshot ------------------------------------------------------------
-
-    async def refresh_registry_once(self) -> bool:
-        """Fetch one snapshot; on error keep the old one. Returns whether it succeeded.
-
-        Raises RayShutDown (from the fetch) when Ray was shut down in this process.
-        """
-        try:
-            snapshot = await self._fetch_snapshot()
-        except RayShutDown:
-            raise
-        except Exception as e:  # a restarting registry must not break routing
-            if self._refresh_ok:  # log once per run of failures, not every period
-                logger.warning(f"AdapterAffinityRouter: registry snapshot failed: {e!r}")
-            self._refresh_ok = False
-            return False
-        self._refresh_ok = True
-        self._snapshot = snapshot
-        self._snapshot_time = self._get_curr_time_s()
-        return True
-
-    async def _refresh_loop(self) -> None:
-        while not self._idle():
-            try:
-                await self.refresh_registry_once()
-            except RayShutDown:  # quietly: this process's log streams may be closed by now
-                return
-            await asyncio.sleep(self._registry_refresh_s)
-
-    def _idle(self) -> bool:
-        """Nothing routed for registry_max_age_s: the snapshot would not be used anyway."""
-        if self._last_route_time is None:
-            return False
-        return self._get_curr_time_s() - self._last_route_time > self._registry_max_age_s
-
-    def _ensure_refresh_task(self) -> None:
-        if not self._use_registry:
-            return
-        if self._refresh_task is None or self._refresh_task.done():
-            self._refresh_task = asyncio.get_running_loop().create_task(self._refresh_loop())
-
-    def _snapshot_residency(self) -> dict[str, dict]:
-        if self._snapshot is None or self._snapshot_time is None:
-            return {}
-        if self._get_curr_time_s() - self._snapshot_time > self._registry_max_age_s:
-            return {}
-        return self._snapshot.get("residency", {})
 
     # -- placement ----------------------------------------------------------------------
 
