@@ -193,6 +193,7 @@ def registry_waits() -> int:
 def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -> dict:
     from ray import serve
 
+    from benchmarks import routing_cpu as cpu_of
     from benchmarks import routing_timing as rt
 
     app_name = f"bench-{policy}"
@@ -209,11 +210,11 @@ def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -
         waits_before = registry_waits()
         driver_gc = full_collections()
         driver_gc_before = (driver_gc.count, driver_gc.total_ms)
-        cpu_before = rt.cpu_by_role()
+        cpu_before = cpu_of.cpu_by_role()
         t0 = time.perf_counter()
         latencies, timings, errors = asyncio.run(replay(handle, trace, args.max_tokens))
         wall = time.perf_counter() - t0
-        cpu = rt.cpu_used(cpu_before, rt.cpu_by_role())
+        cpu = cpu_of.cpu_used(cpu_before, cpu_of.cpu_by_role())
         driver_gc_run = (
             driver_gc.count - driver_gc_before[0],
             driver_gc.total_ms - driver_gc_before[1],
@@ -255,7 +256,8 @@ def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -
         "cpu_cached_per_replica": resident,
         "wall_s": wall,
         "cpu_s": cpu,  # CPU seconds during the replay by role (routing_timing.cpu_by_role)
-        "thread_cpu_s": rt.thread_cpu_used(before_stats, after_stats),  # the replicas' by thread
+        "thread_cpu_s": cpu_of.thread_cpu_used(before_stats, after_stats),  # by thread
+        "batches": cpu_of.batches_used(before_stats, after_stats),
         "latency_ms": {i: 1000 * x for i, x in sorted(latencies.items())},
         "timing": rt.summarize(timings) if timings else None,
         "timings": timings,
@@ -345,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from benchmarks.routing_timing import CPU_KEYS, print_summary, run_cpu_text
+    from benchmarks.routing_cpu import CPU_KEYS, run_cpu_text
+    from benchmarks.routing_timing import print_summary
 
     ray.init(
         num_cpus=max(2, args.replicas),

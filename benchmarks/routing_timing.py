@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import contextvars
 import statistics
-import threading
 import time
 from collections import Counter
-from pathlib import Path
 
+from benchmarks.routing_cpu import run_cpu_text, thread_cpu
 from deployments.llm_server import LLMServer
 
 PHASES = ("to_replica", "adapter", "first_token", "rest", "back")
@@ -119,101 +118,6 @@ def print_summary(policy: str, s: dict) -> None:
         f"  {policy}: slowest {s['tail_n']} ms: {tail}; in flight at arrival "
         f"{s['tail_inflight']:.2f}; per replica {s['tail_replicas']} (all: {s['served']})"
     )
-
-
-# ---- where the machine's CPU went during a run ----------------------------------------------
-
-# a process's role, from the title Ray gives its workers (first match wins)
-CPU_ROLES = (
-    ("ServeReplica", "replicas"),
-    ("ServeController", "controller"),
-    ("AdapterRegistry", "registry"),
-    ("raylet", "ray"),
-    ("gcs_server", "ray"),
-    ("ray::", "ray"),
-    ("ray/", "ray"),
-)
-
-
-def cpu_by_role(roles: tuple[tuple[str, str], ...] = CPU_ROLES) -> dict[str, float]:
-    """CPU seconds (user + system) so far of every process on this machine, summed by role:
-    `driver` (this process: it hosts the router), the roles of `roles` ((a text in the
-    command line, its role), first match wins), `other`. The difference of two calls is what
-    each used in between; a process that ended in between drops out (the roles of a run are
-    alive throughout it)."""
-    import os
-
-    import psutil
-
-    out: dict[str, float] = {}
-    me = os.getpid()
-    for proc in psutil.process_iter(["pid", "cmdline", "cpu_times"]):
-        times = proc.info["cpu_times"]
-        if times is None:  # gone, or not ours to read
-            continue
-        if proc.info["pid"] == me:
-            role = "driver"
-        else:
-            title = " ".join(proc.info["cmdline"] or ())
-            role = next((r for key, r in roles if key in title), "other")
-        out[role] = out.get(role, 0.0) + times.user + times.system
-    return out
-
-
-def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """CPU seconds by role between two cpu_by_role() calls (roles seen in both)."""
-    return {role: max(0.0, after[role] - before[role]) for role in after if role in before}
-
-
-def thread_cpu() -> dict[str, float]:
-    """CPU seconds (user + system) so far of this process's threads, by name: a Python thread's
-    name with its trailing number dropped (`asyncio_3` -> `asyncio`: the default executor's
-    threads, where the replica reads adapters off the engine lock), other threads (Ray's and
-    torch's, started in C++) by the kernel's name for them, prefixed `native:`."""
-    import os
-
-    names = {t.native_id: t.name.rstrip("_0123456789") for t in threading.enumerate()}
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[str, float] = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
-            comm = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
-        except OSError:  # the thread ended meanwhile
-            continue
-        fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state is fields[0]
-        name = names.get(int(tid)) or f"native:{comm}"
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    return out
-
-
-def thread_cpu_used(before: dict[str, dict], after: dict[str, dict]) -> dict[str, float]:
-    """CPU seconds by thread name between two sets of replica stats ({replica id: stats()} of
-    TimedLLMServer, `thread_cpu` in each), summed over the replicas."""
-    out: dict[str, float] = {}
-    for replica, stats in after.items():
-        earlier = before.get(replica, {}).get("thread_cpu", {})
-        for name, sec in stats.get("thread_cpu", {}).items():
-            out[name] = out.get(name, 0.0) + sec - earlier.get(name, 0.0)
-    return out
-
-
-def cpu_text(cpu: dict[str, float]) -> str:
-    """`role seconds, ...` by role name: how the benchmark and this tool print cpu_used."""
-    return ", ".join(f"{k} {v:.1f}" for k, v in sorted(cpu.items()))
-
-
-CPU_KEYS = ("cpu_s", "thread_cpu_s")  # a run's CPU seconds: by role, the replicas' by thread
-
-
-def run_cpu_text(run: dict, threads: int = 8) -> str:
-    """A run's CPU seconds during the replay by role and (files from before the thread
-    accounting have none) the replicas' `threads` busiest threads."""
-    text = f"CPU s during the replay: {cpu_text(run['cpu_s'])}"
-    if run.get("thread_cpu_s"):
-        top = sorted(run["thread_cpu_s"].items(), key=lambda kv: -kv[1])[:threads]
-        text += f"; the replicas' threads: {cpu_text(dict(top))}"
-    return text
 
 
 # ---- reading a benchmark's --latencies-out file ---------------------------------------------

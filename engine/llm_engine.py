@@ -226,6 +226,13 @@ class LLMEngine:
             "num_free_blocks": self.block_manager.num_free_blocks,
             "num_blocks": self.block_manager.num_blocks,
             "num_preemptions": sched.num_preemptions,
+            # the steps that ran something, and their batches summed
+            "steps": {
+                "steps": sched.num_batches,
+                "seqs": sched.num_batch_seqs,
+                "adapters": sched.num_batch_adapters,
+                "tokens": sched.num_batch_tokens,
+            },
             "adapters_in_slots": in_slots,
             "adapters_in_cpu": in_cpu,
             "lora": lora,

@@ -115,6 +115,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.step_count = 0
         self.num_preemptions = 0
+        # over the steps that ran something: steps, sequences, adapters (LoRA groups of the
+        # forward) and tokens, summed; their ratios are a batch's mean shape (stats()["steps"])
+        self.num_batches = self.num_batch_seqs = self.num_batch_adapters = 0
+        self.num_batch_tokens = 0
 
     # -- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -149,6 +153,11 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         self._assign_slots(out)
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        if out.scheduled:
+            self.num_batches += 1
+            self.num_batch_seqs += len(out.scheduled)
+            self.num_batch_adapters += len(out.lora_slots)
+            self.num_batch_tokens += out.num_batched_tokens
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:

@@ -110,6 +110,8 @@ def _counters(engine: LLMEngine) -> list[tuple[object, str]]:
     sched = engine.scheduler
     out = [(sched.slots, a) for a in ("num_activations", "num_evictions", "num_hits")]
     out += [(sched, "num_preemptions"), (engine.block_manager, "num_evictions")]
+    out += [(sched, a) for a in ("num_batches", "num_batch_seqs", "num_batch_adapters")]
+    out += [(sched, "num_batch_tokens")]
     out += [(engine.block_manager.stats, a) for a in ("num_queries", "num_hits")]
     manager = engine.model_runner.lora_manager
     if manager is not None:

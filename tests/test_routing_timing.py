@@ -57,6 +57,7 @@ def test_percentiles_pool_every_run_of_an_arm(tmp_path, capsys):
     assert decode_alone(record) == [(0, "x", 10.0, 5), (0, "y", 14.0, 5), (1, "y", 10.0, 5)]
     record["runs"][1]["cpu_s"] = {"replicas": 12.34, "driver": 2.0}  # one run has CPU figures
     record["runs"][1]["thread_cpu_s"] = {f"t{i}": float(i) for i in range(10)}  # 8 busiest
+    record["runs"][1]["batches"] = {"steps": 4, "seqs": 10, "adapters": 6, "tokens": 50}
     path = tmp_path / "lat.json"
     path.write_text(json.dumps(record))
     main([str(path)])
@@ -66,7 +67,11 @@ def test_percentiles_pool_every_run_of_an_arm(tmp_path, capsys):
     assert "0:y 14.0, 1:y 10.0" in out
     assert "nothing else in flight (the machine's speed): 0:x 10.0 (5)" in out
     threads = "the replicas' threads: t2 2.0, t3 3.0, t4 4.0, t5 5.0, t6 6.0, t7 7.0, t8 8.0, t9"
-    assert f"run 0:y: CPU s during the replay: driver 2.0, replicas 12.3; {threads} 9.0\n" in out
+    batches = "4 steps: 2.50 sequences, 1.50 adapters, 12.5 tokens, 0.0 ms a step"
+    assert (
+        f"run 0:y: CPU s during the replay: driver 2.0, replicas 12.3; {threads} 9.0; {batches}\n"
+        in out
+    )
     assert "run 0:x:" not in out and "run 1:y:" not in out
 
 
@@ -93,7 +98,7 @@ def test_cpu_by_role_counts_a_titled_process_and_this_one():
     import sys
     import time
 
-    from benchmarks.routing_timing import CPU_ROLES, cpu_by_role, cpu_used
+    from benchmarks.routing_cpu import CPU_ROLES, cpu_by_role, cpu_used
 
     # a marker no other process has (a real Ray actor elsewhere on the machine would blur
     # the real roles); the default roles are Ray's titles
@@ -121,11 +126,12 @@ def test_cpu_by_role_counts_a_titled_process_and_this_one():
 
 def test_thread_cpu_names_a_python_thread_and_sums_replicas():
     """A Python thread's CPU is counted under its name less the trailing number, as its own
-    clock (time.thread_time) counts it; thread_cpu_used sums the difference over replicas."""
+    clock (time.thread_time) counts it; thread_cpu_used and batches_used sum the differences
+    over replicas (a replica not read before counts from 0)."""
     import threading
     import time
 
-    from benchmarks.routing_timing import thread_cpu, thread_cpu_used
+    from benchmarks.routing_cpu import batches_used, thread_cpu, thread_cpu_used
 
     spun, go, stop = {}, threading.Event(), threading.Event()
 
@@ -155,6 +161,9 @@ def test_thread_cpu_names_a_python_thread_and_sums_replicas():
     stats = {"r1": {"thread_cpu": {"a": 1.0, "b": 2.0}}, "r2": {"thread_cpu": {"a": 0.5}}}
     later = {"r1": {"thread_cpu": {"a": 1.5, "b": 2.0}}, "r2": {"thread_cpu": {"a": 1.0}}}
     assert thread_cpu_used(stats, later) == {"a": 1.0, "b": 0.0}
+    steps = {"steps": {"steps": 5, "seqs": 9}}
+    later = {"r1": {"steps": {"steps": 8, "seqs": 20}}, "r2": {"steps": {"steps": 2, "seqs": 3}}}
+    assert batches_used({"r1": steps}, later) == {"steps": 5, "seqs": 14}  # r2 new: from 0
 
 
 def test_residency_rows_pool_runs_and_skip_files_without_it(tmp_path, capsys):

@@ -145,6 +145,7 @@ def test_property_random_arrivals(
     loras = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(adapter_paths)]
     pending = sorted(enumerate(arrivals), key=lambda x: x[1][0])
     seqs, finished, step = {}, set(), 0
+    batches = {"steps": 0, "seqs": 0, "adapters": 0, "tokens": 0}  # stats()["steps"], recounted
     max_tokens_all = max(a[3] for a in arrivals)
     max_prompt = max(a[2] for a in arrivals)
     while pending or engine.has_unfinished_requests():
@@ -168,6 +169,11 @@ def test_property_random_arrivals(
         assert len(set(out.lora_slots.values())) == len(out.lora_slots)  # one slot each
         assert len(engine.scheduler.running) <= max_num_seqs
         assert out.num_batched_tokens <= budget
+        if out.scheduled:
+            batches["steps"] += 1
+            batches["seqs"] += len(out.scheduled)
+            batches["adapters"] += len(in_batch)
+            batches["tokens"] += sum(s.num_new_tokens for s in out.scheduled)
         sampled = engine.model_runner.execute(out) if not out.is_empty else ModelRunnerOutput()
         engine.scheduler.update_from_output(out)
         for o in engine.output_processor.process(out, sampled, engine.scheduler):
@@ -180,6 +186,7 @@ def test_property_random_arrivals(
         step += 1
         assert step < 5000, "the engine stopped making progress"
     assert finished == set(seqs)  # every request finishes
+    assert engine.stats()["steps"] == batches
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)  # no block leaks
     slots = engine.scheduler.slots
