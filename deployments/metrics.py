@@ -151,6 +151,20 @@ PREFIX_CACHE_COUNTERS = {
 }
 
 
+# the engine's steps that ran something and their batches (LLMEngine.stats()["steps"]):
+# rate(sequences) / rate(steps) is the mean batch, rate(adapters) / rate(steps) the LoRA
+# groups a forward runs
+BATCH_COUNTERS = {
+    key: Counter(f"raylora_engine_{name}_total", description=doc, tag_keys=_REPLICA)
+    for key, name, doc in (
+        ("steps", "steps", "Engine steps that ran a batch."),
+        ("seqs", "step_sequences", "Sequences in those batches, summed."),
+        ("adapters", "step_adapters", "Distinct adapters in those batches, summed."),
+        ("tokens", "step_tokens", "Tokens computed in those batches, summed."),
+    )
+}
+
+
 def render_ingress_metrics() -> tuple[bytes, str]:
     """(body, content type) of the ingress process's metrics in Prometheus text format."""
     from prometheus_client import CONTENT_TYPE_LATEST

@@ -153,15 +153,19 @@ class ReplicaReporter:
         lora = stats.get("lora", {})
         self._advance(metrics.LORA_COUNTERS, lora, tags)
         self._advance(metrics.PREFIX_CACHE_COUNTERS, stats, tags)
+        self._advance(metrics.BATCH_COUNTERS, stats.get("steps", {}), tags, prefix="steps.")
         hits, misses = lora.get("hits", 0), lora.get("misses", 0)
         if hits + misses:
             metrics.SLOT_HIT_RATIO.set(hits / (hits + misses), tags=tags)
 
-    def _advance(self, counters: dict[str, Any], values: dict[str, Any], tags: dict) -> None:
-        """Export the growth of the engine's running totals since the last report."""
+    def _advance(
+        self, counters: dict[str, Any], values: dict[str, Any], tags: dict, prefix: str = ""
+    ) -> None:
+        """Export the growth of the engine's running totals since the last report (`prefix`
+        keeps a dict's keys apart from another's of the same name)."""
         for key, counter in counters.items():
             value = int(values.get(key, 0))
-            delta = value - self._last_counts.get(key, 0)
+            delta = value - self._last_counts.get(prefix + key, 0)
             if delta > 0:
                 counter.inc(delta, tags=tags)
-            self._last_counts[key] = value
+            self._last_counts[prefix + key] = value
