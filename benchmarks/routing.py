@@ -256,8 +256,8 @@ def run_policy(policy: str, args, model: str, adapters: dict[str, str], trace) -
         "cpu_cached_per_replica": resident,
         "wall_s": wall,
         "cpu_s": cpu,  # CPU seconds during the replay by role (routing_timing.cpu_by_role)
-        "thread_cpu_s": cpu_of.thread_cpu_used(before_stats, after_stats),  # by thread
-        "batches": cpu_of.batches_used(before_stats, after_stats),
+        "thread_cpu_s": cpu_of.growth(before_stats, after_stats, "thread_cpu"),  # by thread
+        "batches": cpu_of.growth(before_stats, after_stats, "steps"),
         "latency_ms": {i: 1000 * x for i, x in sorted(latencies.items())},
         "timing": rt.summarize(timings) if timings else None,
         "timings": timings,

@@ -73,25 +73,16 @@ def thread_cpu() -> dict[str, float]:
     return out
 
 
-def thread_cpu_used(before: dict[str, dict], after: dict[str, dict]) -> dict[str, float]:
-    """CPU seconds by thread name between two sets of replica stats ({replica id: stats()} of
-    TimedLLMServer, `thread_cpu` in each), summed over the replicas."""
+def growth(before: dict[str, dict], after: dict[str, dict], field: str) -> dict[str, float]:
+    """How much each total in the replicas' stats()[field] grew between two sets of replica
+    stats ({replica id: stats()}), summed over the replicas (one not in `before` from 0):
+    `thread_cpu` (TimedLLMServer: CPU seconds by thread name) or `steps` (LLMEngine: the
+    steps that ran something, and their batches' sequences, adapters and tokens)."""
     out: dict[str, float] = {}
     for replica, stats in after.items():
-        earlier = before.get(replica, {}).get("thread_cpu", {})
-        for name, sec in stats.get("thread_cpu", {}).items():
-            out[name] = out.get(name, 0.0) + sec - earlier.get(name, 0.0)
-    return out
-
-
-def batches_used(before: dict[str, dict], after: dict[str, dict]) -> dict[str, int]:
-    """The engines' steps that ran something, and their batches' sequences, adapters and
-    tokens (LLMEngine.stats()["steps"]), between two sets of replica stats, summed."""
-    out: dict[str, int] = {}
-    for replica, stats in after.items():
-        earlier = before.get(replica, {}).get("steps", {})
-        for key, n in stats.get("steps", {}).items():
-            out[key] = out.get(key, 0) + n - earlier.get(key, 0)
+        earlier = before.get(replica, {}).get(field, {})
+        for key, value in stats.get(field, {}).items():
+            out[key] = out.get(key, 0) + value - earlier.get(key, 0)
     return out
 
 

@@ -126,12 +126,12 @@ def test_cpu_by_role_counts_a_titled_process_and_this_one():
 
 def test_thread_cpu_names_a_python_thread_and_sums_replicas():
     """A Python thread's CPU is counted under its name less the trailing number, as its own
-    clock (time.thread_time) counts it; thread_cpu_used and batches_used sum the differences
+    clock (time.thread_time) counts it; growth sums the differences
     over replicas (a replica not read before counts from 0)."""
     import threading
     import time
 
-    from benchmarks.routing_cpu import batches_used, thread_cpu, thread_cpu_used
+    from benchmarks.routing_cpu import growth, thread_cpu
 
     spun, go, stop = {}, threading.Event(), threading.Event()
 
@@ -160,10 +160,10 @@ def test_thread_cpu_names_a_python_thread_and_sums_replicas():
     assert "MainThread" in after
     stats = {"r1": {"thread_cpu": {"a": 1.0, "b": 2.0}}, "r2": {"thread_cpu": {"a": 0.5}}}
     later = {"r1": {"thread_cpu": {"a": 1.5, "b": 2.0}}, "r2": {"thread_cpu": {"a": 1.0}}}
-    assert thread_cpu_used(stats, later) == {"a": 1.0, "b": 0.0}
+    assert growth(stats, later, "thread_cpu") == {"a": 1.0, "b": 0.0}
     steps = {"steps": {"steps": 5, "seqs": 9}}
     later = {"r1": {"steps": {"steps": 8, "seqs": 20}}, "r2": {"steps": {"steps": 2, "seqs": 3}}}
-    assert batches_used({"r1": steps}, later) == {"steps": 5, "seqs": 14}  # r2 new: from 0
+    assert growth({"r1": steps}, later, "steps") == {"steps": 5, "seqs": 14}  # r2: from 0
 
 
 def test_residency_rows_pool_runs_and_skip_files_without_it(tmp_path, capsys):
