@@ -50,7 +50,7 @@ class ReplicaReporter:
         self.registry = get_registry()
         self._loop = asyncio.get_running_loop()
         self._changed = asyncio.Event()
-        self._last_counts: dict[str, int] = {}  # engine counter -> value last exported
+        self._last_counts: dict[Any, int] = {}  # exported counter -> the total it last saw
         self._task: asyncio.Task | None = None
         engine.add_residency_listener(self._on_residency)
 
@@ -153,19 +153,17 @@ class ReplicaReporter:
         lora = stats.get("lora", {})
         self._advance(metrics.LORA_COUNTERS, lora, tags)
         self._advance(metrics.PREFIX_CACHE_COUNTERS, stats, tags)
-        self._advance(metrics.BATCH_COUNTERS, stats.get("steps", {}), tags, prefix="steps.")
+        self._advance(metrics.BATCH_COUNTERS, stats.get("steps", {}), tags)
         hits, misses = lora.get("hits", 0), lora.get("misses", 0)
         if hits + misses:
             metrics.SLOT_HIT_RATIO.set(hits / (hits + misses), tags=tags)
 
-    def _advance(
-        self, counters: dict[str, Any], values: dict[str, Any], tags: dict, prefix: str = ""
-    ) -> None:
-        """Export the growth of the engine's running totals since the last report (`prefix`
-        keeps a dict's keys apart from another's of the same name)."""
+    def _advance(self, counters: dict[str, Any], values: dict[str, Any], tags: dict) -> None:
+        """Export the growth of the engine's running totals since the last report (remembered
+        per counter: two stats dicts may use the same key)."""
         for key, counter in counters.items():
             value = int(values.get(key, 0))
-            delta = value - self._last_counts.get(prefix + key, 0)
+            delta = value - self._last_counts.get(counter, 0)
             if delta > 0:
                 counter.inc(delta, tags=tags)
-            self._last_counts[prefix + key] = value
+            self._last_counts[counter] = value
