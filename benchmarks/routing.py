@@ -1,8 +1,8 @@
 """Adapter routing on a real local Ray Serve deployment: AdapterAffinityRouter vs Ray's own
 multiplexed-model routing, the way a Ray Serve LLM user runs LoRA.
 
-    python benchmarks/routing.py            # 4 replicas x 3 slots, CPU cache 6, 12 adapters Zipf(1.1),
-                                            # 600 requests at 15/s, 4 policies (~6 min)
+    python benchmarks/routing.py            # 4 replicas x 3 slots, CPU cache 6, 12 adapters
+                                            # Zipf(1.1), 600 requests at 15/s, 4 policies (~6 min)
     python benchmarks/routing.py --runs 2   # every policy twice, alternating (ABCD, then DCBA)
     python benchmarks/routing.py --smoke    # 2 replicas, 6 adapters, 60 requests
     python benchmarks/routing.py --adapters 40 --policies affinity,ray_multiplex
@@ -45,25 +45,23 @@ Requests go to the LLMServer deployment through a DeploymentHandle with the adap
 multiplexed model id (the ingress's path, without the HTTP layer), from this driver, so the
 router runs here. They call `complete_timed` (benchmarks/routing_timing.py: `complete` plus
 the replica's times of each phase), and every run prints where its requests and its slowest
-1% spent their time: to the replica, waiting for the adapter, to the first token, decoding,
-back.
+1% spent their time (to the replica, the adapter, the first token, decoding, back).
 
 Adapter loads = slot activations (an adapter copied into one of the `max_loras` slots) +
 disk loads (an adapter read from disk into a replica's CPU cache; `shared`: those fetched
 from the shared adapter tier instead, raylora's arms only), from each replica's engine stats
-(`LLMServer.stats()["lora"]`), counted from the end of the warm-up. Latency is the
-driver-side time of each request (p50 / p99). With several --runs, the figures compared are
-each policy's medians over the runs.
+(`LLMServer.stats()["lora"]`), counted from the end of the warm-up. Latency is the driver's
+time of each request (p50 / p99). With several --runs, each policy's medians are compared.
 
 Exit status 1 if a request fails or, outside --smoke, affinity misses the issue's bar against
 ray_multiplex: fewer slot loads, fewer disk loads (or both at the minimum, one per adapter in
-the trace), p99 no worse (within --p99-tolerance, for timing noise on a shared machine).
+the trace), p99 no worse (within --p99-tolerance, for timing noise on a shared machine). One
+benchmark's p99 ratio is a draw: benchmarks/routing_pairs.py pools many (--latencies-out).
 
-The model is the tests' tiny random Llama and the adapters tiny random PEFT adapters, built
-once under --workdir: the benchmark measures routing, not the model. `--model default` serves
-SmolLM2-135M-Instruct instead, with random adapters of the sizes users train
-(`--adapter-rank 16 --adapter-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj`:
-~20 MB each), so a read or a slot load costs what it costs a user on a CPU.
+The model is the tests' tiny random Llama with tiny random PEFT adapters, built once under
+--workdir: routing, not the model. `--model default` serves SmolLM2-135M-Instruct with random
+adapters of the sizes users train (`--adapter-rank 16 --adapter-targets q_proj,k_proj,v_proj,
+o_proj,gate_proj,up_proj,down_proj`: ~20 MB each): a read or a slot load costs what it costs.
 """
 
 from __future__ import annotations
@@ -348,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
 
     from benchmarks.routing_cpu import CPU_KEYS, run_cpu_text
+    from benchmarks.routing_pairs import LOAD_KEYS
     from benchmarks.routing_timing import print_summary
 
     ray.init(
@@ -386,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.latencies_out is not None:
         runs = [
-            {k: r[k] for k in ("policy", "run", "latency_ms", "timings", *CPU_KEYS)}
+            {k: r[k] for k in ("policy", "run", *LOAD_KEYS, "latency_ms", "timings", *CPU_KEYS)}
             for r in results
         ]
         args.latencies_out.write_text(json.dumps({"trace": trace, "runs": runs}))

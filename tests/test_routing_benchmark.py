@@ -50,6 +50,11 @@ def test_routing_benchmark_smoke(tmp_path):
         held = Counter(t["held"] for t in run["timings"].values())
         assert set(held) <= {"slot", "cpu", "none", "base"}, held
         assert held["none"] and held["slot"], (run["policy"], held)
+        # its loads, for benchmarks/routing_pairs.py (a miss needs a slot activation)
+        assert run["activations"] > 0 and run["disk"] >= 0, run["policy"]
+    from benchmarks import routing_pairs
+
+    assert routing_pairs.main([str(tmp_path / "lat.json")]) == 0  # one pair: not settled
 
 
 @pytest.mark.timeout(120)
