@@ -83,7 +83,7 @@ def test_a_burst_of_tail_requests_sees_the_requests_chosen_before_it():
     from ray.serve._private.common import RequestMetadata
     from ray.serve.request_router import PendingRequest
 
-    from tests.test_router import FakeReplica, make_router
+    from tests.router_fakes import FakeReplica, make_router
 
     router = make_router(max_loras=1, use_placement=False)
     reps = [FakeReplica("r0", cpu=["t", "x"]), FakeReplica("r1")]
