@@ -59,9 +59,9 @@ the trace), p99 no worse (within --p99-tolerance, for timing noise on a shared m
 benchmark's p99 ratio is a draw: benchmarks/routing_pairs.py pools many (--latencies-out).
 
 The model is the tests' tiny random Llama with tiny random PEFT adapters, built once under
---workdir: routing, not the model. `--model default` serves SmolLM2-135M-Instruct with random
-adapters of the sizes users train (`--adapter-rank 16 --adapter-targets q_proj,k_proj,v_proj,
-o_proj,gate_proj,up_proj,down_proj`: ~20 MB each): a read or a slot load costs what it costs.
+--workdir: routing, not the model. `--model default --adapter-rank 16 --adapter-targets
+q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj` serves SmolLM2-135M-Instruct with
+random adapters of the sizes users train (~20 MB each), read and loaded at a user's cost.
 """
 
 from __future__ import annotations
