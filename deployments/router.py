@@ -71,6 +71,7 @@ from deployments.routing_policy import (
     DEFAULT_LOAD_BOUND_C,
     DEFAULT_MIN_LOAD_BOUND,
     ReplicaView,
+    is_adapter_key,
     prefix_routing_key,
     rank_replicas,
     tail_rank,
@@ -171,7 +172,7 @@ class AdapterAffinityRouter(RegistrySnapshots, RequestRouter):
         self, adapter_id: str, candidates: list[RunningReplica], views: list[ReplicaView]
     ) -> tuple[str, ...] | None:
         """The adapter's placed replicas, or None (not placed, or no placement)."""
-        if not self._use_placement or not adapter_id or adapter_id.startswith("prefix:"):
+        if not self._use_placement or not is_adapter_key(adapter_id):
             return None
         if self._planner is None:  # the slot count from the replicas, once one reports it
             max_loras = self._slots(candidates)
@@ -282,7 +283,7 @@ class AdapterAffinityRouter(RegistrySnapshots, RequestRouter):
         adapter's next home), as reading it (else a burst for a new adapter sees it held
         nowhere and may open another home: two disk reads). If Ray sends it elsewhere,
         on_request_routed corrects the first; the second expires after recent_routes_s."""
-        if not adapter_id or adapter_id.startswith("prefix:") or not tiers or len(tiers[0]) != 1:
+        if not is_adapter_key(adapter_id) or not tiers or len(tiers[0]) != 1:
             return
         (first,) = tiers[0]
         if request_id:

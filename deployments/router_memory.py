@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from deployments.routing_policy import ReplicaView
+from deployments.routing_policy import ReplicaView, is_adapter_key
 
 
 class RecentRoutes:
@@ -70,12 +70,12 @@ class InFlight:
     def chosen(self, request_id: str, replica_id: str, adapter_id: str, now: float) -> None:
         """The router ranked `replica_id` alone first for the request: Ray sends it there
         unless that replica's queue is full. A later choice for the same request replaces it."""
-        if adapter_id and not adapter_id.startswith("prefix:") and request_id not in self._requests:
+        if is_adapter_key(adapter_id) and request_id not in self._requests:
             self._chosen[request_id] = (replica_id, adapter_id, now)
 
     def sent(self, request_id: str, replica_id: str, adapter_id: str, now: float) -> None:
         self._chosen.pop(request_id, None)
-        if not adapter_id or adapter_id.startswith("prefix:") or request_id in self._requests:
+        if not is_adapter_key(adapter_id) or request_id in self._requests:
             return
         self._requests[request_id] = (replica_id, adapter_id, now)
         running = self._running.setdefault(replica_id, {})

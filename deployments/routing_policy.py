@@ -358,6 +358,12 @@ MIN_PREFIX_CHARS = 256  # shorter prompts have too little to reuse: power of two
 PREFIX_KEY_TOKENS = 128  # the same for a prompt given as token ids
 
 
+def is_adapter_key(key: str) -> bool:
+    """A routing key naming an adapter (its requests take a slot), not "" (a base request with
+    no key) nor a base request's prefix key (`prefix_routing_key`)."""
+    return bool(key) and not key.startswith("prefix:")
+
+
 def prefix_routing_key(
     prompt: str | None, prompt_token_ids: list[int] | None, messages: list[dict] | None
 ) -> str:
