@@ -36,6 +36,8 @@ Z95 = 1.645
 # what benchmarks/routing.py keeps of each run's loads in its latencies file: slot
 # activations and reads into the CPU cache (disk), summed over the replicas
 LOAD_KEYS = ("activations", "disk")
+# every ratio a pair gives, and its printed name
+FIGURES = {"p99": "p99", "p50": "p50", "activations": "slot loads", "disk": "disk loads"}
 
 
 def t95(df: int) -> float:
@@ -77,20 +79,17 @@ def pairs(runs: list[dict], arm: str, peer: str) -> list[tuple[dict, dict]]:
     return [(by[arm, i], by[peer, i]) for i in index if (arm, i) in by and (peer, i) in by]
 
 
-def quantile_ms(run: dict, q: float) -> float:
-    """A run's latency quantile, ms (the latencies file keeps each request's, ms)."""
-    return percentile(list(run["latency_ms"].values()), q)
+def quantiles_ms(run: dict) -> tuple[float, float]:
+    """A run's p50 and p99 latency, ms (the latencies file keeps each request's, ms)."""
+    latencies = sorted(run["latency_ms"].values())
+    return percentile(latencies, 0.5), percentile(latencies, 0.99)
 
 
 def pair_row(a: dict, m: dict) -> dict[str, float]:
-    """One pair's figures: p50 and p99 of each arm and their ratios; loads where the
-    file has them (benchmarks/routing.py writes `activations` and `disk` since 2026-12-07)."""
-    row = {
-        "p50": quantile_ms(a, 0.5) / quantile_ms(m, 0.5),
-        "p99": quantile_ms(a, 0.99) / quantile_ms(m, 0.99),
-        "p99_ms": quantile_ms(a, 0.99),
-        "peer_p99_ms": quantile_ms(m, 0.99),
-    }
+    """One pair's figures: p99 of each arm, and the ratios of p50, p99 and the loads where
+    the file has them (benchmarks/routing.py writes `activations` and `disk` since 2026-12-07)."""
+    (a50, a99), (m50, m99) = quantiles_ms(a), quantiles_ms(m)
+    row = {"p50": a50 / m50, "p99": a99 / m99, "p99_ms": a99, "peer_p99_ms": m99}
     for key in LOAD_KEYS:
         if key in a and key in m:
             row[key] = a[key] / max(1, m[key])
@@ -101,8 +100,7 @@ def summarize(rows: list[dict[str, float]], tolerance: float) -> list[str]:
     """The pooled lines: per figure the median, geometric mean and its 90% interval, and
     for p99 the verdict."""
     out = []
-    for key, name in (("p99", "p99"), ("p50", "p50"), ("activations", "slot loads"),
-                      ("disk", "disk loads")):  # fmt: skip
+    for key, name in FIGURES.items():
         ratios = [r[key] for r in rows if key in r]
         if not ratios:
             continue
@@ -135,11 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         for a, m in found:
             row = pair_row(a, m)
             rows.append(row)
-            loads = "".join(
-                f", {name} {row[key]:.2f}x"
-                for key, name in (("activations", "slot loads"), ("disk", "disk loads"))
-                if key in row
-            )
+            loads = "".join(f", {FIGURES[key]} {row[key]:.2f}x" for key in LOAD_KEYS if key in row)
             print(
                 f"{path} run {a['run'] + 1}: p99 {row['p99_ms']:.0f} vs "
                 f"{row['peer_p99_ms']:.0f} ms ({row['p99']:.2f}x), p50 {row['p50']:.2f}x{loads}"
