@@ -59,9 +59,13 @@ def make_router(registry: FakeRegistry | None = None, clock: Clock | None = None
     return router
 
 
-def request(adapter: str) -> PendingRequest:
-    meta = RequestMetadata(request_id="r", internal_request_id="r", multiplexed_model_id=adapter)
-    return PendingRequest(args=[], kwargs={}, metadata=meta)
+def request(adapter: str, request_id: str = "r", args: list | None = None) -> PendingRequest:
+    """A pending request for `adapter` ("" for the base model; `args`: the method's, where a
+    prompt matters). Make it inside a running event loop (its future needs one)."""
+    meta = RequestMetadata(
+        request_id=request_id, internal_request_id=request_id, multiplexed_model_id=adapter
+    )
+    return PendingRequest(args=args or [], kwargs={}, metadata=meta)
 
 
 def route(router, replicas, adapter: str, pr: list | None = None):

@@ -6,7 +6,6 @@ import asyncio
 from collections import Counter
 
 import pytest
-from ray.serve._private.common import RequestMetadata
 from ray.serve.request_router import PendingRequest
 
 from deployments.routing_policy import rendezvous_order
@@ -169,8 +168,7 @@ def test_should_backoff_and_bad_kwargs():
 def _base_request(prompt: str) -> PendingRequest:
     from deployments.protocol import GenerateRequest
 
-    meta = RequestMetadata(request_id="r", internal_request_id="r", multiplexed_model_id="")
-    return PendingRequest(args=[GenerateRequest("r", prompt=prompt)], kwargs={}, metadata=meta)
+    return request("", args=[GenerateRequest("r", prompt=prompt)])
 
 
 def test_base_requests_with_a_shared_system_prompt_stay_on_one_replica():

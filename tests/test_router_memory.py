@@ -80,10 +80,9 @@ def test_a_burst_of_tail_requests_sees_the_requests_chosen_before_it():
     test_a_tail_adapter_avoids_a_holder_whose_slots_this_routers_requests_take)."""
     import asyncio
 
-    from ray.serve._private.common import RequestMetadata
     from ray.serve.request_router import PendingRequest
 
-    from tests.router_fakes import FakeReplica, make_router
+    from tests.router_fakes import FakeReplica, make_router, request
 
     router = make_router(max_loras=1, use_placement=False)
     reps = [FakeReplica("r0", cpu=["t", "x"]), FakeReplica("r1")]
@@ -95,10 +94,7 @@ def test_a_burst_of_tail_requests_sees_the_requests_chosen_before_it():
     assert router.popularity.in_tail("t", 2) and router.popularity.in_tail("x", 2)
 
     async def rank(adapter: str, rid: str) -> tuple[PendingRequest, list[str]]:
-        meta = RequestMetadata(
-            request_id=rid, internal_request_id=rid, multiplexed_model_id=adapter
-        )
-        pending = PendingRequest(args=[], kwargs={}, metadata=meta)
+        pending = request(adapter, rid)
         tiers = await router.choose_replicas(reps, pending)
         return pending, [r.replica_id.unique_id for r in tiers[0]]
 

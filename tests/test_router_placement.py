@@ -4,8 +4,6 @@ applies, the batch bound the replicas report, and the tail rule's kept slots."""
 import asyncio
 
 import pytest
-from ray.serve._private.common import RequestMetadata
-from ray.serve.request_router import PendingRequest
 
 from deployments.routing_policy import rendezvous_order
 from tests.router_fakes import (
@@ -13,6 +11,7 @@ from tests.router_fakes import (
     FakeReplica,
     first_choice,
     make_router,
+    request,
     route,
     set_load,
 )
@@ -131,11 +130,7 @@ def test_a_tail_adapter_avoids_a_holder_whose_slots_this_routers_requests_take()
 
     def sent(adapter: str, rid: str, replica: FakeReplica) -> None:
         async def go():  # a PendingRequest needs a running loop
-            meta = RequestMetadata(
-                request_id=rid, internal_request_id=rid, multiplexed_model_id=adapter
-            )
-            pending = PendingRequest(args=[], kwargs={}, metadata=meta)
-            router.on_request_routed(pending, replica.replica_id, None)
+            router.on_request_routed(request(adapter, rid), replica.replica_id, None)
 
         asyncio.run(go())
 
