@@ -17,8 +17,8 @@ from raylora_kernels.metadata import StaticLoRAMeta
 from raylora_kernels.paged_attention import (
     choose_num_splits,
     paged_decode_attention,
-    paged_decode_attention_ref,
 )
+from raylora_kernels.paged_attention_ref import paged_decode_attention_ref
 
 if TYPE_CHECKING:
     from benchmarks.gpu_decode_check import Context

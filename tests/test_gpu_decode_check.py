@@ -17,7 +17,7 @@ import torch
 from benchmarks import gpu_decode_check, gpu_decode_kernels
 from raylora_kernels import lora_expand_ref, lora_shrink_ref
 from raylora_kernels.metadata import StaticLoRAMeta
-from raylora_kernels.paged_attention import paged_decode_attention_ref
+from raylora_kernels.paged_attention_ref import paged_decode_attention_ref
 
 pytest.importorskip("peft")
 ROOT = Path(__file__).resolve().parents[1]

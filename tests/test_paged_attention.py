@@ -24,8 +24,8 @@ from raylora_kernels.paged_attention import (  # noqa: E402
     choose_num_splits,
     paged_decode_attention,
     paged_decode_attention_op,
-    paged_decode_attention_ref,
 )
+from raylora_kernels.paged_attention_ref import paged_decode_attention_ref  # noqa: E402
 
 pa = importlib.import_module("raylora_kernels.paged_attention")
 BS = 16  # cache block size
