@@ -19,6 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from engine import paths  # noqa: E402
 from engine.models import default_model as dm  # noqa: E402
+from engine.models import gguf_checkpoint as ckpt  # noqa: E402
 from engine.models.loader import load_model_config, load_state_dict, resolve_model  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------
@@ -145,7 +146,7 @@ def smollm2_gguf(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def gguf_model(smollm2_gguf):
     """The GGUF loaded (dequantised) by transformers: the reference."""
-    return dm._load_gguf(smollm2_gguf)
+    return ckpt.load_gguf(smollm2_gguf)
 
 
 @pytest.mark.slow
@@ -199,7 +200,7 @@ def test_default_model_matches_gguf(smollm2_gguf, gguf_model, monkeypatch):
 def test_killed_conversion_leaves_nothing(tmp_cache, smollm2_gguf, gguf_model, monkeypatch):
     monkeypatch.setenv(dm.ENV_GGUF, str(smollm2_gguf))
     target = dm.default_model_path()
-    real_save = dm._save_checkpoint
+    real_save = ckpt.save_checkpoint
 
     def save_then_die(model, tokenizer, out):
         real_save(model, tokenizer, out)  # files written into the staging folder ...
@@ -207,8 +208,8 @@ def test_killed_conversion_leaves_nothing(tmp_cache, smollm2_gguf, gguf_model, m
         raise KeyboardInterrupt("killed mid-conversion")  # ... then the process "dies"
 
     # The reference model stands in for the (slow) GGUF load on the failing attempt.
-    monkeypatch.setattr(dm, "_load_gguf", lambda _path: gguf_model)
-    monkeypatch.setattr(dm, "_save_checkpoint", save_then_die)
+    monkeypatch.setattr(ckpt, "load_gguf", lambda _path: gguf_model)
+    monkeypatch.setattr(ckpt, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         resolve_model("default")
     assert not target.exists()
