@@ -41,10 +41,10 @@ from benchmarks.common import (  # noqa: E402
     run_engine,
     run_hf,
     setup_threads,
-    time_decode_steps,
     verdict,
     vocab_range,
 )
+from benchmarks.decode_timing import time_decode_steps  # noqa: E402
 from benchmarks.peers.compare import add_peer_args, run_against_vllm  # noqa: E402
 from benchmarks.peers.vllm_peer import PeerWorkload  # noqa: E402
 

@@ -23,13 +23,12 @@ from benchmarks.common import (
     log,
     make_workload,
     num_matching,
-    paired_ratio,
     run_engine,
     run_hf,
     sync,
-    time_paired_decode_steps,
     vocab_range,
 )
+from benchmarks.decode_timing import paired_ratio, time_paired_decode_steps
 from benchmarks.gpu_decode_kernels import new_graph
 from benchmarks.gpu_decode_models import (
     decode_rows,

@@ -45,20 +45,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (  # noqa: E402
     ALL_LINEARS,
     finish_all,
-    graphed_forward_ratio,
     load_hf_model,
     log,
     machine,
     make_random_adapters,
     make_workload,
     num_matching,
-    paired_ratio,
     run_engine,
     run_hf,
     setup_threads,
-    time_paired_decode_steps,
     verdict,
     vocab_range,
+)
+from benchmarks.decode_timing import (  # noqa: E402
+    graphed_forward_ratio,
+    paired_ratio,
+    time_paired_decode_steps,
 )
 from benchmarks.peers.compare import add_peer_args, run_against_vllm  # noqa: E402
 from benchmarks.peers.vllm_peer import PeerWorkload  # noqa: E402
@@ -200,8 +202,8 @@ def run(args: argparse.Namespace, threads: int, out_dir: Path) -> dict:
     run_engine(engine, warm, loras, desc="warm-up raylora")
 
     # (a) decode step: the LoRA batch and the base batch on identical engines (one per LoRA
-    # dtype), stepped in turn (common.time_paired_decode_steps), so each LoRA step has a base
-    # step beside it.
+    # dtype), stepped in turn (decode_timing.time_paired_decode_steps), so each LoRA step has
+    # a base step beside it.
     engines = {"base": LLMEngine(EngineConfig(**config)), "lora": engine}
     for d in dtypes[1:]:
         engines[f"lora {d}"] = LLMEngine(EngineConfig(**config, lora_dtype=d))

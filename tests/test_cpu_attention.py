@@ -103,7 +103,7 @@ def test_fused_decode_layers_match_the_python_layers(tmp_path):
     Python layers on the same decode batch: the same logits within float rounding."""
     import random
 
-    from benchmarks.common import all_decoding, bare_decode_forward
+    from benchmarks.decode_timing import all_decoding, bare_decode_forward
     from engine import EngineConfig, LLMEngine, SamplingParams
     from tests.model_fixtures import make_tiny_llama
 
