@@ -1,6 +1,7 @@
 """AsyncLLMEngine's adapter reads: one read shared by the requests that need it, made in the
-thread that adds the request (one hop off the event loop), failed reads forgotten, and vLLM's
-in-step read (under the engine lock) for the peer arm of benchmarks/routing.py."""
+thread that adds the request (one hop off the event loop), steps and the event loop going on
+while a read takes a second, failed reads forgotten, and vLLM's in-step read (under the engine
+lock) for the peer arm of benchmarks/routing.py."""
 
 from __future__ import annotations
 
@@ -14,15 +15,16 @@ import engine.lora.manager as lora_manager_module
 from engine import AsyncLLMEngine, EngineConfig, LLMEngine, LoRARequest, SamplingParams
 from engine.lora.errors import LoRAError
 from tests.lora_fixtures import make_peft_adapter
+from tests.model_fixtures import make_tiny_llama
 
 pytestmark = pytest.mark.timeout(300)
 
 PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 
-def async_engine(model_dir: str) -> AsyncLLMEngine:
+def async_engine(model_dir: str, **kw) -> AsyncLLMEngine:
     cfg = dict(model=model_dir, block_size=4, max_num_batched_tokens=64, max_model_len=128)
-    return AsyncLLMEngine(engine=LLMEngine(EngineConfig(**cfg, enable_lora=True)))
+    return AsyncLLMEngine(engine=LLMEngine(EngineConfig(**(cfg | {"enable_lora": True} | kw))))
 
 
 @pytest.fixture(scope="module")
@@ -222,3 +224,71 @@ def test_quick_local_reads_are_made_under_the_lock_until_one_is_slow(
     assert decisions == (True, True)
     assert loads == [False, True, False]  # unmeasured: off; quick: under the lock; then off
     assert got[0] == got[1] == got[2]  # one adapter under three names: one output
+
+
+def test_adapter_reads_do_not_block_steps_or_the_event_loop(tmp_path, monkeypatch):
+    """While an adapter read takes a second (add_lora, then generate() with an adapter not in
+    the CPU cache), a running stream keeps getting tokens and another task keeps running."""
+    # a 4096-token context, so that one stream outlasts both reads
+    model_dir = str(make_tiny_llama(tmp_path / "model", max_position_embeddings=4096))
+    paths = [
+        make_peft_adapter(model_dir, tmp_path / f"a{i}", r=4, target_modules=["q_proj"], seed=i)
+        for i in range(2)
+    ]
+    windows: list[tuple[float, float]] = []
+    real = lora_manager_module.load_adapter
+
+    def slow_load(*args, **kwargs):
+        start = time.monotonic()
+        assert threading.current_thread() is not threading.main_thread()
+        time.sleep(1.0)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            windows.append((start, time.monotonic()))
+
+    monkeypatch.setattr(lora_manager_module, "load_adapter", slow_load)
+
+    async def main():
+        eng = async_engine(model_dir, enable_lora=True, max_model_len=4096)
+        stream_times: list[float] = []
+        ticks: list[float] = []
+        stop = asyncio.Event()
+
+        async def stream():
+            params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+            gen = eng.generate("Hello world!", params, "base")
+            async for _ in gen:
+                stream_times.append(time.monotonic())
+                if stop.is_set():
+                    break
+            await gen.aclose()
+
+        async def ticker():
+            while not stop.is_set():
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.02)
+
+        tasks = [asyncio.create_task(stream()), asyncio.create_task(ticker())]
+        while not stream_times:
+            await asyncio.sleep(0.01)
+        info = await eng.add_lora(LoRARequest("a0", 1, str(paths[0])))
+        assert info["name"] == "a0" and info["rank"] == 4
+        lora = LoRARequest("a1", 2, str(paths[1]))
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        outs = [o async for o in eng.generate("The capital of France is", params, "with-a1", lora)]
+        stop.set()
+        await asyncio.gather(*tasks)
+        assert eng.list_loras() == ["a0", "a1"]
+        await eng.shutdown()
+        return stream_times, ticks, outs
+
+    stream_times, ticks, outs = asyncio.run(asyncio.wait_for(main(), 120))
+    assert len(windows) == 2
+    for start, end in windows:
+        assert end - start >= 1.0
+        during = [t for t in stream_times if start < t < end]
+        ticked = [t for t in ticks if start < t < end]
+        assert len(during) >= 5, (len(during), end - start)
+        assert len(ticked) >= 10, len(ticked)
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
