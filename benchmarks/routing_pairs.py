@@ -13,6 +13,11 @@ ratio, spread log-symmetrically):
 The verdict against the benchmark's tolerance (1.1x: "p99 no worse"): "no worse" when the
 interval's upper end is within it, "worse" when its lower end is past it, else "not
 settled" (more pairs needed).
+
+The pairs of one benchmark are not quite independent: they share its deployment order and
+its hour of the machine. With two files or more, the p99 is pooled once more with each
+benchmark as one draw (the geometric mean of its pairs' ratios; t with one degree of
+freedom fewer than the benchmarks), the cautious figure where the two differ.
 """
 
 from __future__ import annotations
@@ -116,6 +121,18 @@ def summarize(rows: list[dict[str, float]], tolerance: float) -> list[str]:
     return out
 
 
+def by_benchmark(groups: list[list[float]], tolerance: float) -> str:
+    """The p99 line with each benchmark one draw: `groups` holds each benchmark's pairs'
+    ratios; its draw is their geometric mean."""
+    draws = [geometric_interval(g)[0] for g in groups]
+    geo, lo, hi = geometric_interval(draws)
+    return (
+        f"p99 by benchmark: {len(draws)} benchmarks, geometric mean {geo:.3f}x (90% interval "
+        f"{lo:.3f}-{hi:.3f}x), under 1.0 in {sum(d < 1 for d in draws)}; against "
+        f"{1 + tolerance:g}x: {verdict(lo, hi, tolerance)}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("latencies", nargs="+", type=Path, help="routing.py --latencies-out files")
@@ -123,16 +140,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer", default="ray_multiplex")
     p.add_argument("--tolerance", type=float, default=0.1, help="p99 'no worse' within this")
     args = p.parse_args(argv)
-    rows = []
+    rows, groups = [], []
     for path in args.latencies:
         runs = json.loads(path.read_text())["runs"]
         found = pairs(runs, args.arm, args.peer)
         if not found:
             print(f"{path}: no run of both {args.arm} and {args.peer}", file=sys.stderr)
             return 2
+        groups.append([])
         for a, m in found:
             row = pair_row(a, m)
             rows.append(row)
+            groups[-1].append(row["p99"])
             loads = "".join(f", {FIGURES[key]} {row[key]:.2f}x" for key in LOAD_KEYS if key in row)
             print(
                 f"{path} run {a['run'] + 1}: p99 {row['p99_ms']:.0f} vs "
@@ -141,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{args.arm} against {args.peer}, pair by pair:")
     for line in summarize(rows, args.tolerance):
         print(f"  {line}")
+    if len(groups) > 1:
+        print(f"  {by_benchmark(groups, args.tolerance)}")
     return 0
 
 

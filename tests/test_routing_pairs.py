@@ -129,6 +129,25 @@ def test_main_pools_every_file(tmp_path, capsys):
     assert f"(90% interval {lo:.3f}-{hi:.3f}x), under 1.0 in 1" in p99
     assert p99.endswith("against 1.1x: not settled")
     assert "slot loads: 2 pairs, median 0.500x" in out
+    # each file one draw: sqrt(0.8 * 1.0) and 1.25
+    by = next(line for line in out.splitlines() if "by benchmark" in line)
+    geo, lo, hi = rp.geometric_interval([math.sqrt(0.8), 1.25])
+    assert f"2 benchmarks, geometric mean {geo:.3f}x (90% interval {lo:.3f}-{hi:.3f}x)" in by
+    assert by.endswith("under 1.0 in 1; against 1.1x: not settled")
+
+
+def test_by_benchmark_weighs_each_benchmark_once():
+    """A benchmark of many pairs counts as much as one of two: the line is the interval of
+    the benchmarks' geometric means, whatever their sizes."""
+    groups = [[0.9] * 8, [1.0, 1.0], [1.1, 1.1, 1.1]]
+    geo, lo, hi = rp.geometric_interval([0.9, 1.0, 1.1])
+    line = rp.by_benchmark(groups, 0.1)
+    assert line.startswith(f"p99 by benchmark: 3 benchmarks, geometric mean {geo:.3f}x")
+    assert f"(90% interval {lo:.3f}-{hi:.3f}x), under 1.0 in 1" in line
+    pooled, _, _ = rp.geometric_interval([r for g in groups for r in g])
+    assert pooled < geo  # the eight 0.9s pull the pair-by-pair mean down, not this one
+    tight = rp.by_benchmark([[1.0, 1.02], [0.99], [1.01, 1.0]], 0.1)
+    assert tight.endswith("against 1.1x: no worse")
 
 
 def test_main_without_both_arms(tmp_path):
