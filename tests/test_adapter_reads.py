@@ -250,7 +250,7 @@ def test_adapter_reads_do_not_block_steps_or_the_event_loop(tmp_path, monkeypatc
     monkeypatch.setattr(lora_manager_module, "load_adapter", slow_load)
 
     async def main():
-        eng = async_engine(model_dir, enable_lora=True, max_model_len=4096)
+        eng = async_engine(model_dir, max_model_len=4096)
         stream_times: list[float] = []
         ticks: list[float] = []
         stop = asyncio.Event()
