@@ -72,6 +72,7 @@ from deployments.routing_policy import (
     DEFAULT_MIN_LOAD_BOUND,
     ReplicaView,
     is_adapter_key,
+    is_prefix_key,
     prefix_routing_key,
     rank_replicas,
     tail_rank,
@@ -245,7 +246,7 @@ class AdapterAffinityRouter(RegistrySnapshots, RequestRouter):
         views = [self._view(r, residency) for r in candidate_replicas]
         request_id = pending_request.metadata.internal_request_id if pending_request else ""
         views = self._inflight.apply(self._recent.apply(views, now), now, request_id)
-        sent_to = self._prefix_holders.get(adapter_id) if adapter_id.startswith("prefix:") else None
+        sent_to = self._prefix_holders.get(adapter_id) if is_prefix_key(adapter_id) else None
         if sent_to:  # keeps the other fields (what RecentRoutes added)
             views = [
                 replace(v, adapters_in_cpu=v.adapters_in_cpu | {adapter_id})

@@ -241,7 +241,7 @@ def rank_replicas(
         return []
     if not adapter_id:
         return power_of_two(replicas, rng)
-    if adapter_id.startswith("prefix:"):
+    if is_prefix_key(adapter_id):
         return rank_by_hash(adapter_id, replicas, load_bound_c, min_load_bound, max_batch)
 
     ranked, bound = _ordered(adapter_id, replicas, load_bound_c, min_load_bound, max_batch)
@@ -356,12 +356,18 @@ class _Tiers:
 PREFIX_KEY_CHARS = 512  # of the prompt text: a system prompt of ~128 tokens and more
 MIN_PREFIX_CHARS = 256  # shorter prompts have too little to reuse: power of two as before
 PREFIX_KEY_TOKENS = 128  # the same for a prompt given as token ids
+PREFIX_KEY_MARK = "prefix:"  # how every prefix key begins
+
+
+def is_prefix_key(key: str) -> bool:
+    """A base request's prefix key (`prefix_routing_key`)."""
+    return key.startswith(PREFIX_KEY_MARK)
 
 
 def is_adapter_key(key: str) -> bool:
     """A routing key naming an adapter (its requests take a slot), not "" (a base request with
     no key) nor a base request's prefix key (`prefix_routing_key`)."""
-    return bool(key) and not key.startswith("prefix:")
+    return bool(key) and not is_prefix_key(key)
 
 
 def prefix_routing_key(
@@ -382,10 +388,10 @@ def prefix_routing_key(
         if len(prompt_token_ids) < MIN_PREFIX_CHARS // 4:
             return ""
         text = ",".join(map(str, prompt_token_ids[:PREFIX_KEY_TOKENS]))
-        return "prefix:ids:" + hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+        return f"{PREFIX_KEY_MARK}ids:" + hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
     else:
         text = prompt or ""
     if len(text) < MIN_PREFIX_CHARS:
         return ""
     digest = hashlib.blake2b(text[:PREFIX_KEY_CHARS].encode(), digest_size=8).hexdigest()
-    return f"prefix:{digest}"
+    return f"{PREFIX_KEY_MARK}{digest}"
