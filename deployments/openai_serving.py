@@ -27,6 +27,7 @@ from deployments.openai_protocol import (
     UnloadLoRAAdapterRequest,
 )
 from deployments.protocol import APIError, GenerateRequest, ReplicaOutput
+from deployments.replica_io import check_adapter_name
 from deployments.responses import ChunkBuilder, build_chat_response, build_completion_response
 from deployments.streams import gather_cancelling, merge_streams
 
@@ -282,6 +283,10 @@ class OpenAIServing:
             raise APIError(
                 400, f"lora_name {name!r} clashes with the base model name", param="lora_name"
             )
+        try:
+            check_adapter_name(name)
+        except ValueError as e:
+            raise APIError(400, str(e), param="lora_name") from None
         self.check_adapter_path(req.lora_path)
         existing = (await self.catalog(refresh=True)).get(name)
         if existing is not None and existing.get("source") != req.lora_path:

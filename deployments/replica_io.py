@@ -16,6 +16,21 @@ from typing import Any
 
 from deployments import metrics
 from deployments.protocol import APIError, CompletionDelta, ReplicaOutput, TokenLogprob
+from deployments.routing_policy import PREFIX_KEY_MARK, is_prefix_key
+
+
+def check_adapter_name(name: str) -> None:
+    """ValueError unless `name` may name an adapter: not empty, and not beginning with the
+    mark of a base request's prompt-prefix key (routing_policy.PREFIX_KEY_MARK), which the
+    router would take it for: it would route the adapter's requests by hash, blind to where
+    the adapter is held, and leave it out of placement."""
+    if not name:
+        raise ValueError("adapter name must be non-empty")
+    if is_prefix_key(name):
+        raise ValueError(
+            f"adapter name {name!r} may not begin with {PREFIX_KEY_MARK!r}: the router keys "
+            "base requests' prompt prefixes so"
+        )
 
 
 def adapter_entry(name: str, path: str, base_model: str) -> dict[str, Any]:
@@ -41,6 +56,8 @@ def initial_adapters(adapters: dict[str, str] | None, demo_adapters: bool) -> di
     """name -> path of the adapters a replica starts with: `adapters`, plus the demo adapters
     found on disk (engine.lora.demo) when demo_adapters is set."""
     found = dict(adapters or {})
+    for name in found:
+        check_adapter_name(name)
     if demo_adapters:
         from engine.lora.demo import DEMO_ADAPTERS, demo_adapter_dir, is_demo_adapter_present
 

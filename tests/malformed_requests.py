@@ -158,6 +158,12 @@ def cases(base: str, adapter: str, adapter_root: str, max_body_bytes: int) -> li
         # adapter endpoints and routes
         Case("load without a path", load, {"lora_name": "x"}, 400),
         Case("load with an empty name", load, {"lora_name": "", "lora_path": adapter_root}, 400),
+        Case(
+            "load under a name the router takes for a prompt-prefix key",
+            load,
+            {"lora_name": "prefix:sql", "lora_path": adapter_root},
+            400,
+        ),
         Case("load from outside the roots", load, {"lora_name": "x", "lora_path": "/etc"}, 403),
         Case(
             "load of a missing folder",

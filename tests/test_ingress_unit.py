@@ -315,6 +315,13 @@ def test_load_and_unload_adapter(env):
     assert_error(
         client.post("/v1/load_lora_adapter", json={"lora_name": BASE, "lora_path": path}), 400
     )
+    # a name the router would take for a base request's prompt-prefix key: refused, unregistered
+    err = assert_error(
+        client.post("/v1/load_lora_adapter", json={"lora_name": "prefix:good", "lora_path": path}),
+        400,
+    )
+    assert err["param"] == "lora_name" and "prefix:" in err["message"]
+    assert "prefix:good" not in registry.adapters
     r = client.post("/v1/unload_lora_adapter", json={"lora_name": "good"})
     assert r.status_code == 200
     assert "good" not in registry.adapters

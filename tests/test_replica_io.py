@@ -1,10 +1,12 @@
-"""deployments/replica_io.py's AutoscalingSampler: the custom metrics an LLMServer reports for
+"""deployments/replica_io.py: the AutoscalingSampler's custom metrics an LLMServer reports for
 cluster.autoscaling.AdapterAwarePolicy, computed by hand here (the Ray test in
-test_autoscaling_cluster.py checks only their names on a live replica)."""
+test_autoscaling_cluster.py checks only their names on a live replica); the adapter names a
+replica starts with."""
 
 import pytest
 
-from deployments.replica_io import AutoscalingSampler
+from deployments.replica_io import AutoscalingSampler, initial_adapters
+from deployments.routing_policy import prefix_routing_key
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -32,3 +34,18 @@ def test_autoscaling_metrics_count_requests_blocked_on_slots_and_rates():
     # two samples in the same instant: rates over at least 1 ms, not a division by zero
     got = sampler.sample(stats, 31, {}, max_loras=2)
     assert got["requests_per_s"] == pytest.approx(1000.0) and got["adapter_loads_per_s"] == 0.0
+
+
+def test_initial_adapters_refuse_a_name_the_router_reads_as_a_prefix_key():
+    """A configured adapter named like a base request's prompt-prefix key would be routed by
+    hash, blind to where it is held: the replica refuses to start with it, naming it."""
+    key = prefix_routing_key("You are a helpful assistant. " * 20, None, None)
+    for name in (key, "prefix:sql"):
+        with pytest.raises(ValueError, match="may not begin with 'prefix:'"):
+            initial_adapters({"sql": "/a/sql", name: "/a/x"}, demo_adapters=False)
+    assert initial_adapters({"sql": "/a/sql", "my-prefix:x": "/a/x"}, False) == {
+        "sql": "/a/sql",
+        "my-prefix:x": "/a/x",
+    }
+    with pytest.raises(ValueError, match="non-empty"):
+        initial_adapters({"": "/a/x"}, demo_adapters=False)
