@@ -131,7 +131,7 @@ def build_openai_app(serving: OpenAIServing) -> FastAPI:
             status = err.status
             raise err from None
         finally:
-            tags = {"model": model_name, "endpoint": endpoint}
+            tags = {"model": serving.model_label(model_name), "endpoint": endpoint}
             metrics.HTTP_REQUESTS.inc(tags={**tags, "status": str(status)})
             metrics.HTTP_LATENCY.observe(time.perf_counter() - start, tags)
 

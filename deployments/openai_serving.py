@@ -108,6 +108,17 @@ class OpenAIServing:
             self._base_name = (await self.llm.model_info())["model_name"]
         return self._base_name
 
+    def model_label(self, model: object) -> str:
+        """`model` as a metrics label: a name this app serves (the base model, an adapter in the
+        catalog, `<base>:<adapter>`) as it is, anything else "unknown": a client's made-up
+        names must not grow the ingress's time series without bound."""
+        if not isinstance(model, str):
+            return "unknown"
+        base = self._base_name
+        prefix, sep, adapter = model.partition(":")
+        name = adapter if sep and prefix == base else model
+        return model if model == base or name in self._catalog else "unknown"
+
     async def catalog(self, refresh: bool = False) -> dict[str, dict]:
         if self.registry is None:
             return self._catalog

@@ -366,3 +366,33 @@ def test_metrics_text(env):
     assert r.status_code == 200
     assert 'raylora_requests_total{endpoint="completions",model="sql",status="200"}' in r.text
     assert "raylora_request_latency_seconds_bucket" in r.text
+
+
+def test_metrics_label_only_served_models(env):
+    """A client's made-up model names (404s, or 400s naming no served model) share one
+    "unknown" label: each would otherwise add time series to the ingress for good."""
+    client, *_ = env
+
+    def unknown_404s() -> float:
+        for line in client.get("/metrics").text.splitlines():
+            if line.startswith(
+                'raylora_requests_total{endpoint="completions",model="unknown",status="404"}'
+            ):
+                return float(line.split()[-1])
+        return 0.0
+
+    before = unknown_404s()  # the registry is the process's: other tests count too
+    for i in range(20):
+        assert_error(client.post("/v1/completions", json={"model": f"m{i}", "prompt": "x"}), 404)
+    bad = {"model": "nope", "prompt": "x", "temperature": -1}
+    assert client.post("/v1/completions", json=bad).status_code == 400
+    assert (
+        client.post("/v1/completions", json={"model": f"{BASE}:sql", "prompt": "x"}).status_code
+        == 200
+    )
+    assert client.post("/v1/completions", json={"model": BASE, "prompt": "x"}).status_code == 200
+    text = client.get("/metrics").text
+    assert unknown_404s() == before + 20
+    assert 'model="unknown",status="400"' in text
+    assert f'model="{BASE}:sql",status="200"' in text and f'model="{BASE}",status="200"' in text
+    assert 'model="m1"' not in text and 'model="nope"' not in text
