@@ -198,7 +198,10 @@ class LLMServer:
             self._adapter_counts.record(adapter)
         try:
             request.check()
-            lora_request = await self._lora_request(adapter) if adapter else None
+            lora_request = None
+            if adapter:
+                lora_request = await self._lora_request(adapter)
+                timing.served(adapter)
             prompt, num_prompt_tokens = self._engine_prompt(request)
             kwargs = request.sampling.engine_kwargs()
             if kwargs["max_tokens"] is None and request.default_max_tokens is not None:

@@ -103,10 +103,16 @@ class RequestMetrics:
     """One request's replica-side metrics: TTFT, time per output token, outcome."""
 
     def __init__(self, adapter: str) -> None:
-        self.tags = {"adapter": adapter or "<base>"}
+        # an adapter is named once the replica has found it (`served`): a caller's made-up
+        # ids must not add time series without bound
+        self.tags = {"adapter": "unknown" if adapter else "<base>"}
         self.start = time.perf_counter()
         self.first_token_time: float | None = None
         self.num_tokens = 0
+
+    def served(self, adapter: str) -> None:
+        """The request's adapter is in this replica's catalog: label its metrics with it."""
+        self.tags = {"adapter": adapter}
 
     def on_output(self, out) -> None:
         self.num_tokens = sum(len(o.token_ids) for o in out.outputs)

@@ -95,9 +95,22 @@ def test_adapter_read_does_not_block_the_event_loop(tiny_model_dir, tmp_path, mo
     assert sum(start < t < end for t in token_times) >= 5  # the stream went on meanwhile
 
 
-def test_unknown_adapter_and_bad_values_are_api_errors(tiny_model_dir):
+def test_unknown_adapter_and_bad_values_are_api_errors(tiny_model_dir, tmp_path, monkeypatch):
+    """...and the replica's metrics name an adapter only once it found it: a caller's made-up
+    ids (handle calls skip the ingress's check) share the label "unknown"."""
+    from deployments import metrics
+
+    counted: list[tuple[str, str]] = []
+
+    class Recorder:
+        def inc(self, value: float = 1.0, tags=None) -> None:
+            counted.append((tags["adapter"], tags["status"]))
+
+    monkeypatch.setattr(metrics, "REPLICA_REQUESTS", Recorder())
+    path = make_tiny_adapter(tiny_model_dir, tmp_path / "a", 4, ["q_proj", "v_proj"], 3)
+
     async def run():
-        server = await _server(tiny_model_dir, {})
+        server = await _server(tiny_model_dir, {"a": str(path)})
         errors = []
         for adapter, spec in [
             ("nope", SamplingSpec()),
@@ -110,6 +123,8 @@ def test_unknown_adapter_and_bad_values_are_api_errors(tiny_model_dir):
                 await server.complete(GenerateRequest("r", spec, prompt="Hi"))
             except APIError as e:
                 errors.append((e.status, e.code))
+        _as_adapter("a")
+        await server.complete(GenerateRequest("a", SamplingSpec(max_tokens=2), prompt="Hi"))
         _as_adapter("")
         ok = await server.complete(GenerateRequest("ok", SamplingSpec(max_tokens=3), prompt="Hi"))
         with pytest.raises(APIError):  # no prompt at all
@@ -125,6 +140,8 @@ def test_unknown_adapter_and_bad_values_are_api_errors(tiny_model_dir):
         (400, None),
     ]
     assert ok.finished and len(ok.outputs[0].token_ids) == 3
+    assert [label for label, _ in counted[:5]] == ["unknown", "<base>", "<base>", "<base>", "a"]
+    assert counted[0][1] == "APIError" and counted[4][1] == "ok"
 
 
 def test_logprob_token_text_is_hf_decode(tiny_model_dir):
