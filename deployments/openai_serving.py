@@ -91,6 +91,8 @@ class OpenAIServing:
         self._base_name = served_model_name
         self._catalog: dict[str, dict] = {}
         self._catalog_time = float("-inf")
+        self._listing: asyncio.Future | None = None  # the registry listing under way
+        self._listings = 0  # listings begun
 
     # ------------------------------------------------------------------ auth + names
 
@@ -120,15 +122,33 @@ class OpenAIServing:
         return model if model == base or name in self._catalog else "unknown"
 
     async def catalog(self, refresh: bool = False) -> dict[str, dict]:
+        """The registry's adapters, at most CATALOG_TTL_S old; `refresh`: as listed by a call
+        that began after this one. Callers at once share one listing: a flood of requests
+        naming no adapter (each refreshes before its 404) costs the registry a listing or
+        three, not one each."""
         if self.registry is None:
             return self._catalog
         if refresh or time.monotonic() - self._catalog_time > CATALOG_TTL_S:
-            try:
-                self._catalog = await asyncio.wait_for(self.registry.list_adapters(), 5.0)
-                self._catalog_time = time.monotonic()
-            except Exception:  # keep serving with the last catalog we had
-                pass
+            # a listing numbered above `asked` will do: with `refresh`, one begun after this
+            # call; for an old catalog, the one under way too
+            asked = self._listings if refresh else self._listings - 1
+            while True:
+                task = self._listing
+                if task is None or task.done():
+                    self._listings += 1
+                    task = self._listing = asyncio.ensure_future(self._list_catalog())
+                number = self._listings
+                await asyncio.shield(task)  # a caller that goes away leaves it to the rest
+                if number > asked:
+                    break
         return self._catalog
+
+    async def _list_catalog(self) -> None:
+        try:
+            self._catalog = await asyncio.wait_for(self.registry.list_adapters(), 5.0)
+            self._catalog_time = time.monotonic()
+        except Exception:  # keep serving with the last catalog we had
+            pass
 
     async def resolve_model(self, model: str) -> str:
         """`model` -> the adapter name, or "" for the base model; APIError 404 if unknown.

@@ -396,3 +396,44 @@ def test_metrics_label_only_served_models(env):
     assert 'model="unknown",status="400"' in text
     assert f'model="{BASE}:sql",status="200"' in text and f'model="{BASE}",status="200"' in text
     assert 'model="m1"' not in text and 'model="nope"' not in text
+
+
+class SlowRegistry(FakeRegistry):
+    """Lists what it holds when a listing begins, 50 ms before it answers; counts listings."""
+
+    def __init__(self, adapters: dict[str, dict]) -> None:
+        super().__init__(adapters)
+        self.listings = 0
+
+    async def list_adapters(self) -> dict[str, dict]:
+        self.listings += 1
+        snapshot = dict(self.adapters)
+        await asyncio.sleep(0.05)
+        return snapshot
+
+
+def test_requests_naming_no_adapter_share_registry_listings():
+    """Each request for a name not in the catalog has the registry listed before its 404 (the
+    adapter may have been loaded through another ingress). 50 at once share three listings
+    (the old catalog's, the first refresh's, the rest's), not 50: the registry is one actor,
+    and a listing carries every adapter. A listing begun before a request asked is not taken
+    as fresh for it."""
+    registry = SlowRegistry({"sql": {"source": "/adapters/sql", "rank": 8}})
+    serving = OpenAIServing(FakeLLM(), registry, served_model_name=BASE)
+
+    async def run():
+        got = await asyncio.gather(
+            *(serving.resolve_model(f"m{i}") for i in range(50)), return_exceptions=True
+        )
+        assert all(isinstance(e, APIError) and e.status == 404 for e in got)
+        assert registry.listings <= 3
+        assert await serving.resolve_model("sql") == "sql"
+        # a listing under way when "new" is registered does not hold it: the request for
+        # "new" waits for one begun after it asked
+        under_way = asyncio.ensure_future(serving.catalog(refresh=True))
+        await asyncio.sleep(0.01)
+        registry.adapters["new"] = {"source": "/adapters/new", "rank": 8}
+        assert await serving.resolve_model("new") == "new"
+        assert "new" not in await under_way  # listed before it was registered
+
+    asyncio.run(run())
