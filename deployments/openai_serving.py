@@ -29,6 +29,7 @@ from deployments.openai_protocol import (
 from deployments.protocol import APIError, GenerateRequest, ReplicaOutput
 from deployments.replica_io import check_adapter_name
 from deployments.responses import ChunkBuilder, build_chat_response, build_completion_response
+from deployments.single_flight import SingleFlight
 from deployments.streams import gather_cancelling, merge_streams
 
 CATALOG_TTL_S = 2.0
@@ -91,8 +92,7 @@ class OpenAIServing:
         self._base_name = served_model_name
         self._catalog: dict[str, dict] = {}
         self._catalog_time = float("-inf")
-        self._listing: asyncio.Future | None = None  # the registry listing under way
-        self._listings = 0  # listings begun
+        self._listing = SingleFlight(self._list_catalog)  # callers at once share a listing
 
     # ------------------------------------------------------------------ auth + names
 
@@ -129,18 +129,7 @@ class OpenAIServing:
         if self.registry is None:
             return self._catalog
         if refresh or time.monotonic() - self._catalog_time > CATALOG_TTL_S:
-            # a listing numbered above `asked` will do: with `refresh`, one begun after this
-            # call; for an old catalog, the one under way too
-            asked = self._listings if refresh else self._listings - 1
-            while True:
-                task = self._listing
-                if task is None or task.done():
-                    self._listings += 1
-                    task = self._listing = asyncio.ensure_future(self._list_catalog())
-                number = self._listings
-                await asyncio.shield(task)  # a caller that goes away leaves it to the rest
-                if number > asked:
-                    break
+            await self._listing.run(fresh=refresh)
         return self._catalog
 
     async def _list_catalog(self) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from deployments import metrics
+from deployments.single_flight import SingleFlight
 
 logger = logging.getLogger("ray.serve")
 
@@ -45,6 +46,7 @@ class ReplicaReporter:
         self.engine = engine
         self.replica_id = replica_id
         self.catalog = catalog
+        self._listing = SingleFlight(self._list_catalog)
         self._interval_s = report_interval_s
         self._get_registry = get_registry
         self.registry = get_registry()
@@ -133,8 +135,12 @@ class ReplicaReporter:
                 pass
 
     async def refresh_catalog(self) -> None:
-        if self.registry is None:
-            return
+        """The registry's listing as the catalog, from a listing begun after this call (a
+        request for a name not in the catalog asks first: requests at once share one)."""
+        if self.registry is not None:
+            await self._listing.run()
+
+    async def _list_catalog(self) -> None:
         try:
             listed = await asyncio.wait_for(
                 self.registry.list_adapters.remote(), REGISTRY_CALL_TIMEOUT_S
