@@ -93,6 +93,8 @@ class OpenAIServing:
         self._catalog: dict[str, dict] = {}
         self._catalog_time = float("-inf")
         self._listing = SingleFlight(self._list_catalog)  # callers at once share a listing
+        self._recovering = False  # the registry's last answer to `recovering`
+        self._recovering_flight = SingleFlight(self._ask_recovering)
 
     # ------------------------------------------------------------------ auth + names
 
@@ -169,13 +171,16 @@ class OpenAIServing:
         """Whether the registry restarted and has not heard from a replica yet: its empty or
         partial catalog then says nothing about what the replicas serve (see
         AdapterRegistry.recovering), so a request waits for the first report, not a 404."""
-        recovering = getattr(self.registry, "recovering", None)
-        if recovering is None:
+        if getattr(self.registry, "recovering", None) is None:
             return False
+        await self._recovering_flight.run()  # requests at once share one question
+        return self._recovering
+
+    async def _ask_recovering(self) -> None:
         try:
-            return bool(await asyncio.wait_for(recovering(), 5.0))
+            self._recovering = bool(await asyncio.wait_for(self.registry.recovering(), 5.0))
         except Exception:
-            return False
+            self._recovering = False
 
     async def list_models(self) -> ModelList:
         base = await self.base_model()

@@ -404,6 +404,12 @@ class SlowRegistry(FakeRegistry):
     def __init__(self, adapters: dict[str, dict]) -> None:
         super().__init__(adapters)
         self.listings = 0
+        self.questions = 0  # calls of `recovering`
+
+    async def recovering(self) -> bool:
+        self.questions += 1
+        await asyncio.sleep(0.05)
+        return False
 
     async def list_adapters(self) -> dict[str, dict]:
         self.listings += 1
@@ -417,7 +423,7 @@ def test_requests_naming_no_adapter_share_registry_listings():
     adapter may have been loaded through another ingress). 50 at once share three listings
     (the old catalog's, the first refresh's, the rest's), not 50: the registry is one actor,
     and a listing carries every adapter. A listing begun before a request asked is not taken
-    as fresh for it."""
+    as fresh for it. The same for asking whether the registry is recovering, before a 404."""
     registry = SlowRegistry({"sql": {"source": "/adapters/sql", "rank": 8}})
     serving = OpenAIServing(FakeLLM(), registry, served_model_name=BASE)
 
@@ -426,7 +432,7 @@ def test_requests_naming_no_adapter_share_registry_listings():
             *(serving.resolve_model(f"m{i}") for i in range(50)), return_exceptions=True
         )
         assert all(isinstance(e, APIError) and e.status == 404 for e in got)
-        assert registry.listings <= 3
+        assert registry.listings <= 3 and registry.questions <= 3
         assert await serving.resolve_model("sql") == "sql"
         # a listing under way when "new" is registered does not hold it: the request for
         # "new" waits for one begun after it asked
