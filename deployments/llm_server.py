@@ -46,6 +46,7 @@ from deployments.replica_io import (
     AutoscalingSampler,
     RequestMetrics,
     adapter_entry,
+    check_adapter_name,
     initial_adapters,
     to_api_error,
     to_replica_output,
@@ -273,15 +274,9 @@ class LLMServer:
             await self.reporter.refresh_catalog()
             entry = self.reporter.catalog.get(name)
         if entry is None:
-            raise APIError(
-                404,
-                f"The model `{name}` does not exist.",
-                "not_found_error",
-                "model",
-                "model_not_found",
-            )
-        lora_request = LoRARequest(name, self._lora_int_id(name), entry["source"])
-        return lora_request
+            msg = f"The model `{name}` does not exist."
+            raise APIError(404, msg, "not_found_error", "model", "model_not_found")
+        return LoRARequest(name, self._lora_int_id(name), entry["source"])
 
     def _on_residency(self, slots: list[str], cpu: list[str]) -> None:
         self._in_cpu = set(cpu)  # from the engine thread: one assignment, no shared mutation
@@ -297,6 +292,7 @@ class LLMServer:
         from engine import LoRARequest
 
         try:
+            check_adapter_name(name)  # handle callers reach this without the ingress's check
             if name in self.engine.list_loras():
                 self.engine.remove_lora(name)  # a re-load with another path replaces it
             lora = LoRARequest(name, self._lora_int_id(name), path)

@@ -125,6 +125,13 @@ def test_unknown_adapter_and_bad_values_are_api_errors(tiny_model_dir, tmp_path,
                 errors.append((e.status, e.code))
         _as_adapter("a")
         await server.complete(GenerateRequest("a", SamplingSpec(max_tokens=2), prompt="Hi"))
+        # a handle caller's load under a name the router takes for a prompt-prefix key: 400,
+        # and the replica's catalog (what it reports to the registry) does not get it
+        try:
+            await server.load_adapter("prefix:a", str(path))
+        except APIError as e:
+            errors.append((e.status, "prefix"))
+        assert "prefix:a" not in server.reporter.catalog
         _as_adapter("")
         ok = await server.complete(GenerateRequest("ok", SamplingSpec(max_tokens=3), prompt="Hi"))
         with pytest.raises(APIError):  # no prompt at all
@@ -138,6 +145,7 @@ def test_unknown_adapter_and_bad_values_are_api_errors(tiny_model_dir, tmp_path,
         (400, None),
         (400, "context_length_exceeded"),
         (400, None),
+        (400, "prefix"),
     ]
     assert ok.finished and len(ok.outputs[0].token_ids) == 3
     assert [label for label, _ in counted[:5]] == ["unknown", "<base>", "<base>", "<base>", "a"]
