@@ -27,6 +27,7 @@ from ray.serve.config import RequestRouterConfig
 
 from deployments.ingress import Ingress
 from deployments.llm_server import LLMServer
+from deployments.replica_io import check_adapter_name
 from engine import hub, paths
 
 API_KEY_ENV = "RAYLORA_API_KEY"
@@ -167,6 +168,7 @@ def parse_args(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     if opts["shared_tier_mb"] is not None and opts["shared_tier_mb"] < 0:
         raise ValueError(f"shared_tier_mb must be >= 0, got {opts['shared_tier_mb']}")
     for name, path in opts["adapters"].items():
+        check_adapter_name(name)
         local = Path(path).expanduser().exists() or hub.looks_like_local_path(path)
         if local and not (Path(path).expanduser() / "adapter_config.json").is_file():
             raise ValueError(f"adapter {name!r}: {path} is not a PEFT adapter folder")

@@ -34,6 +34,8 @@ def test_build_app_args():
         serve_app.parse_args({"shared_tier_mb": "-1"})
     with pytest.raises(ValueError, match="not a PEFT adapter folder"):
         serve_app.parse_args({"adapters": "a=/does/not/exist"})
+    with pytest.raises(ValueError, match="may not begin with 'prefix:'"):
+        serve_app.parse_args({"adapters": "prefix:a=hub/a"})
     assert serve_app.build_app({"num_replicas": "1"}) is not None
 
 
