@@ -190,6 +190,8 @@ class LLMServer:
         gen = None
         finished = False
         timing = RequestMetrics(adapter)
+        if adapter in self.reporter.catalog:  # known: labelled so even if the request is bad
+            timing.served(adapter)
         reading = ExitStack()  # the adapter's "being read" report, until the first output
         self._num_inflight += 1
         self._num_requests += 1

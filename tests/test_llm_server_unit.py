@@ -125,6 +125,10 @@ def test_unknown_adapter_and_bad_values_are_api_errors(tiny_model_dir, tmp_path,
                 errors.append((e.status, e.code))
         _as_adapter("a")
         await server.complete(GenerateRequest("a", SamplingSpec(max_tokens=2), prompt="Hi"))
+        try:  # a request for an adapter the replica has, refused before the lookup (no prompt)
+            await server.complete(GenerateRequest("b"))
+        except APIError as e:
+            errors.append((e.status, "bad a"))
         # a handle caller's load under a name the router takes for a prompt-prefix key: 400,
         # and the replica's catalog (what it reports to the registry) does not get it
         try:
@@ -145,11 +149,13 @@ def test_unknown_adapter_and_bad_values_are_api_errors(tiny_model_dir, tmp_path,
         (400, None),
         (400, "context_length_exceeded"),
         (400, None),
+        (400, "bad a"),
         (400, "prefix"),
     ]
     assert ok.finished and len(ok.outputs[0].token_ids) == 3
-    assert [label for label, _ in counted[:5]] == ["unknown", "<base>", "<base>", "<base>", "a"]
-    assert counted[0][1] == "APIError" and counted[4][1] == "ok"
+    labels = [label for label, _ in counted[:6]]
+    assert labels == ["unknown", "<base>", "<base>", "<base>", "a", "a"]
+    assert counted[0][1] == "APIError" and counted[4][1] == "ok" and counted[5][1] != "ok"
 
 
 def test_logprob_token_text_is_hf_decode(tiny_model_dir):
