@@ -71,6 +71,15 @@ def map_exception(exc: BaseException) -> APIError:
     return APIError(500, f"Internal error: {type(exc).__name__}: {exc}")
 
 
+def _adapter_named(model: str, base: str | None, catalog: dict[str, dict]) -> str | None:
+    """The catalog's adapter that `model` names, as itself (vLLM) or as `<base>:<adapter>`
+    (Ray Serve LLM); None if neither."""
+    if model in catalog:
+        return model
+    prefix, sep, adapter = model.partition(":")
+    return adapter if sep and prefix == base and adapter in catalog else None
+
+
 class OpenAIServing:
     def __init__(
         self,
@@ -119,9 +128,8 @@ class OpenAIServing:
         if not isinstance(model, str):
             return "unknown"
         base = self._base_name
-        prefix, sep, adapter = model.partition(":")
-        name = adapter if sep and prefix == base else model
-        return model if model == base or name in self._catalog else "unknown"
+        served = model == base or _adapter_named(model, base, self._catalog) is not None
+        return model if served else "unknown"
 
     async def catalog(self, refresh: bool = False) -> dict[str, dict]:
         """The registry's adapters, at most CATALOG_TTL_S old; `refresh`: as listed by a call
@@ -152,11 +160,8 @@ class OpenAIServing:
             return ""
         refresh, deadline = False, time.monotonic() + RECOVERY_WAIT_S
         while True:
-            catalog = await self.catalog(refresh=refresh)
-            if model in catalog:
-                return model
-            prefix, sep, adapter = model.partition(":")
-            if sep and prefix == base and adapter in catalog:
+            adapter = _adapter_named(model, base, await self.catalog(refresh=refresh))
+            if adapter is not None:
                 return adapter
             if refresh:  # a fresh listing without it: 404, unless the registry is recovering
                 if time.monotonic() > deadline or not await self._registry_recovering():
