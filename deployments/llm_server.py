@@ -44,6 +44,7 @@ from deployments.placement import EVICTION_HALF_LIFE, AdapterPopularity
 from deployments.protocol import APIError, GenerateRequest, ReplicaOutput
 from deployments.replica_io import (
     AutoscalingSampler,
+    LoRAIds,
     RequestMetrics,
     adapter_entry,
     check_adapter_name,
@@ -113,7 +114,7 @@ class LLMServer:
             name: adapter_entry(name, path, self.model_name)
             for name, path in initial_adapters(adapters, demo_adapters).items()
         }
-        self._lora_ids: dict[str, int] = {}  # name -> lora_int_id (stable per replica)
+        self._lora_ids = LoRAIds()
         self._num_inflight = 0
         self._num_aborted = 0  # requests whose caller went away before they finished
         self._num_requests = 0  # requests received, ever
@@ -278,13 +279,10 @@ class LLMServer:
         if entry is None:
             msg = f"The model `{name}` does not exist."
             raise APIError(404, msg, "not_found_error", "model", "model_not_found")
-        return LoRARequest(name, self._lora_int_id(name), entry["source"])
+        return LoRARequest(name, self._lora_ids.get(name), entry["source"])
 
     def _on_residency(self, slots: list[str], cpu: list[str]) -> None:
         self._in_cpu = set(cpu)  # from the engine thread: one assignment, no shared mutation
-
-    def _lora_int_id(self, name: str) -> int:
-        return self._lora_ids.setdefault(name, len(self._lora_ids) + 1)
 
     async def load_adapter(self, name: str, path: str) -> dict[str, Any]:
         """Validate an adapter by loading it into this replica's CPU cache; return its spec.
@@ -297,9 +295,10 @@ class LLMServer:
             check_adapter_name(name)  # handle callers reach this without the ingress's check
             if name in self.engine.list_loras():
                 self.engine.remove_lora(name)  # a re-load with another path replaces it
-            lora = LoRARequest(name, self._lora_int_id(name), path)
-            info = await self.engine.add_lora(lora)
+            info = await self.engine.add_lora(LoRARequest(name, self._lora_ids.get(name), path))
         except Exception as e:
+            if name not in self.reporter.catalog:  # a failed load leaves no id behind
+                self._lora_ids.forget(name)
             raise to_api_error(e) from None
         entry = {
             "source": str(info.get("source", path)),
@@ -316,6 +315,7 @@ class LLMServer:
         from engine.errors import InvalidRequestError
 
         self.reporter.catalog.pop(name, None)
+        self._lora_ids.forget(name)
         try:
             return bool(self.engine.remove_lora(name))
         except InvalidRequestError:

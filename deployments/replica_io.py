@@ -8,6 +8,7 @@ Engine imports stay inside the functions: the ingress imports this package witho
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Callable
@@ -65,6 +66,27 @@ def initial_adapters(adapters: dict[str, str] | None, demo_adapters: bool) -> di
             if name not in found and is_demo_adapter_present(name):
                 found[name] = str(demo_adapter_dir(name))
     return found
+
+
+class LoRAIds:
+    """name -> the lora_int_id of its LoRARequests on one replica: held while the name is in
+    the catalog or a load of it is under way, dropped when a load fails or the name is
+    unloaded (so names tried and refused do not pile up); an id is never given twice."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+        self._next = itertools.count(1)
+
+    def get(self, name: str) -> int:
+        if name not in self._ids:
+            self._ids[name] = next(self._next)
+        return self._ids[name]
+
+    def forget(self, name: str) -> None:
+        self._ids.pop(name, None)
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 def to_api_error(exc: BaseException) -> BaseException:

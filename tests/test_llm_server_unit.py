@@ -136,6 +136,11 @@ def test_unknown_adapter_and_bad_values_are_api_errors(tiny_model_dir, tmp_path,
         except APIError as e:
             errors.append((e.status, "prefix"))
         assert "prefix:a" not in server.reporter.catalog
+        # a load that fails (no adapter at the path) leaves no name -> id entry behind
+        held = len(server._lora_ids)
+        with pytest.raises(APIError):
+            await server.load_adapter("missing", str(tmp_path / "no-such-adapter"))
+        assert len(server._lora_ids) == held and "missing" not in server.reporter.catalog
         _as_adapter("")
         ok = await server.complete(GenerateRequest("ok", SamplingSpec(max_tokens=3), prompt="Hi"))
         with pytest.raises(APIError):  # no prompt at all

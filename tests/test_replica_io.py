@@ -5,7 +5,7 @@ replica starts with."""
 
 import pytest
 
-from deployments.replica_io import AutoscalingSampler, initial_adapters
+from deployments.replica_io import AutoscalingSampler, LoRAIds, initial_adapters
 from deployments.routing_policy import prefix_routing_key
 
 pytestmark = pytest.mark.timeout(30)
@@ -49,3 +49,15 @@ def test_initial_adapters_refuse_a_name_the_router_reads_as_a_prefix_key():
     }
     with pytest.raises(ValueError, match="non-empty"):
         initial_adapters({"": "/a/x"}, demo_adapters=False)
+
+
+def test_lora_ids_are_stable_per_name_dropped_when_forgotten_and_never_reused():
+    ids = LoRAIds()
+    a, b = ids.get("a"), ids.get("b")
+    assert (ids.get("a"), ids.get("b")) == (a, b) and a != b and min(a, b) >= 1
+    ids.forget("a")
+    ids.forget("never-held")
+    assert len(ids) == 1
+    c = ids.get("c")  # a count-based id (len + 1) would give c b's id here
+    assert c not in (a, b) and ids.get("b") == b
+    assert ids.get("a") not in (a, b, c)  # a name loaded again gets a new id
