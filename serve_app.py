@@ -28,7 +28,7 @@ from ray.serve.config import RequestRouterConfig
 from deployments.ingress import Ingress
 from deployments.llm_server import LLMServer
 from deployments.replica_io import check_adapter_name
-from engine import hub, paths
+from engine import hub, paths, remote
 
 API_KEY_ENV = "RAYLORA_API_KEY"
 DEFAULT_MAX_NUM_SEQS = 64  # EngineConfig's (no engine, so no torch, imported here)
@@ -58,8 +58,12 @@ def _adapters(value: str | dict) -> dict[str, str]:
 
 
 def _paths(value: str | list) -> list[str]:
-    items = value if isinstance(value, list) else str(value).replace(os.pathsep, ",").split(",")
-    return [str(p).strip() for p in items if str(p).strip()]
+    """Comma- (or, between folders, os.pathsep-) separated folders and URLs."""
+    items = value if isinstance(value, list) else str(value).split(",")
+    out = []
+    for item in (str(p).strip() for p in items):
+        out += [item] if remote.is_url(item) else [p.strip() for p in item.split(os.pathsep)]
+    return [p for p in out if p]
 
 
 def _replicas(value: str | int) -> int | str:
@@ -103,7 +107,17 @@ APP_ARGS: dict[str, tuple[Any, Any, str]] = {
     "max_ongoing_requests": (int, None, "per LLMServer replica (default 2 x max_num_seqs)"),
     "max_queued_requests": (int, 256, "queued per caller before 503 (-1: unbounded)"),
     "api_key": (str, None, f"Bearer key for /v1/* (default: ${API_KEY_ENV})"),
-    "adapter_roots": (_paths, None, "folders load_lora_adapter may load from (unset: any)"),
+    "adapter_roots": (
+        _paths,
+        None,
+        "folders and URL prefixes load_lora_adapter may load from (unset: any)",
+    ),
+    "dynamic_lora_loading_path": (
+        str,
+        None,
+        "a folder or object-storage URL: a request for an adapter the catalog lacks loads "
+        "<path>/<name> and registers it (Ray Serve LLM's LoraConfig name)",
+    ),
     "served_model_name": (str, None, "the base model's name in the API"),
     "router": (str, "affinity", "affinity (AdapterAffinityRouter) or pow2 (Serve's default)"),
     "load_bound_c": (float, None, "AdapterAffinityRouter's load bound c"),
@@ -169,7 +183,9 @@ def parse_args(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         raise ValueError(f"shared_tier_mb must be >= 0, got {opts['shared_tier_mb']}")
     for name, path in opts["adapters"].items():
         check_adapter_name(name)
-        local = Path(path).expanduser().exists() or hub.looks_like_local_path(path)
+        local = not remote.is_url(path) and (
+            Path(path).expanduser().exists() or hub.looks_like_local_path(path)
+        )
         if local and not (Path(path).expanduser() / "adapter_config.json").is_file():
             raise ValueError(f"adapter {name!r}: {path} is not a PEFT adapter folder")
     return engine, opts
@@ -234,6 +250,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         api_key=opts["api_key"],
         adapter_roots=opts["adapter_roots"],
         registry_state_file=opts["registry_state_file"],
+        dynamic_lora_loading_path=opts["dynamic_lora_loading_path"],
         shared_tier_bytes=shared_tier_bytes,
     )
 

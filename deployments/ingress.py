@@ -150,6 +150,7 @@ class Ingress:
         api_key: str | None = None,
         adapter_roots: list[str] | None = None,
         registry_state_file: str | None = None,
+        dynamic_lora_loading_path: str | None = None,
         shared_tier_bytes: int | None = None,  # the registry's budget, if this creates it
     ) -> None:
         from deployments.registry import get_or_create_registry
@@ -162,7 +163,12 @@ class Ingress:
         )
         registry = ActorRegistry(actor)
         self.serving = OpenAIServing(
-            ServeLLMBackend(llm_handle), registry, served_model_name, api_key, adapter_roots
+            ServeLLMBackend(llm_handle),
+            registry,
+            served_model_name,
+            api_key,
+            adapter_roots,
+            dynamic_lora_loading_path,
         )
 
     def __serve_build_asgi_app__(self) -> FastAPI:

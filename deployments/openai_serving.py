@@ -18,6 +18,7 @@ from typing import Protocol
 from pydantic import BaseModel
 
 from deployments import metrics
+from deployments.dynamic_adapters import DynamicAdapters
 from deployments.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -31,6 +32,7 @@ from deployments.replica_io import check_adapter_name
 from deployments.responses import ChunkBuilder, build_chat_response, build_completion_response
 from deployments.single_flight import SingleFlight
 from deployments.streams import gather_cancelling, merge_streams
+from engine.remote import is_url
 
 CATALOG_TTL_S = 2.0
 RECOVERY_WAIT_S = 30.0  # longest a request waits on a restarted registry for its adapter
@@ -88,16 +90,25 @@ class OpenAIServing:
         served_model_name: str | None = None,
         api_key: str | None = None,
         adapter_roots: list[str] | None = None,
+        dynamic_lora_loading_path: str | None = None,
     ) -> None:
         self.llm = llm
         self.registry = registry
         self.api_key = api_key or None
-        # None: load_lora_adapter may load from anywhere (vLLM's behaviour).
+        # None: load_lora_adapter may load from anywhere (vLLM's behaviour). Folders are
+        # compared resolved (symlinks, `..`), object-storage URLs by prefix.
+        roots = adapter_roots or []
         self.adapter_roots = (
             None
             if adapter_roots is None
-            else [Path(r).expanduser().resolve() for r in adapter_roots]
+            else [Path(r).expanduser().resolve() for r in roots if not is_url(r)]
         )
+        self.adapter_url_roots = [r.rstrip("/") + "/" for r in roots if is_url(r)]
+        self.dynamic = None
+        if dynamic_lora_loading_path:
+            self.dynamic = DynamicAdapters(
+                dynamic_lora_loading_path, llm.load_adapter, self._register, map_exception
+            )
         self._base_name = served_model_name
         self._catalog: dict[str, dict] = {}
         self._catalog_time = float("-inf")
@@ -168,6 +179,9 @@ class OpenAIServing:
                     break
                 await asyncio.sleep(RECOVERY_POLL_S)
             refresh = True
+        name = model[len(base) + 1 :] if model.startswith(f"{base}:") else model
+        if self.dynamic is not None and await self.dynamic.serve(name):
+            return name  # loaded from dynamic_lora_loading_path and registered
         raise APIError(
             404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
         )
@@ -291,13 +305,20 @@ class OpenAIServing:
     # ------------------------------------------------------------------ adapters
 
     def check_adapter_path(self, lora_path: str) -> None:
-        """403 unless lora_path resolves (symlinks, `..`) inside an adapter root."""
+        """403 unless lora_path resolves (symlinks, `..`) inside an adapter root, or is a URL
+        under a URL root with no `..` segment."""
         if self.adapter_roots is None:
             return
-        resolved = Path(lora_path).expanduser().resolve()
-        if not any(
-            resolved == root or resolved.is_relative_to(root) for root in self.adapter_roots
-        ):
+        if is_url(lora_path):
+            allowed = ".." not in lora_path.split("/") and any(
+                (lora_path.rstrip("/") + "/").startswith(root) for root in self.adapter_url_roots
+            )
+        else:
+            resolved = Path(lora_path).expanduser().resolve()
+            allowed = any(
+                resolved == root or resolved.is_relative_to(root) for root in self.adapter_roots
+            )
+        if not allowed:
             raise APIError(
                 403,
                 f"lora_path {lora_path!r} is outside the allowed adapter roots.",
@@ -330,10 +351,13 @@ class OpenAIServing:
             spec = await self.llm.load_adapter(name, req.lora_path)
         except Exception as e:
             raise map_exception(e) from None
+        await self._register(name, spec)
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    async def _register(self, name: str, spec: dict) -> None:
         if self.registry is not None:
             await self.registry.register_adapter(name, spec)
         self._catalog[name] = spec
-        return f"Success: LoRA adapter '{name}' added successfully."
 
     async def unload_adapter(self, req: UnloadLoRAAdapterRequest) -> str:
         # The registry is the catalog: its durable unload (a tombstone) is what keeps the

@@ -4,6 +4,7 @@
     <root>/models/<name>   converted models (the default SmolLM2-135M-Instruct)
     <root>/wheels          the wheel the default model comes from
     <root>/adapters        the demo adapters
+    <root>/remote/<key>    adapter folders copied from object storage (engine/remote.py)
     <root>/<benchmark>     a benchmark's generated adapters (bench-routing, soak-adapters)
 """
 
@@ -24,3 +25,8 @@ def cache_dir() -> Path:
 def adapters_dir() -> Path:
     """The demo adapters' folder."""
     return cache_dir() / "adapters"
+
+
+def remote_dir() -> Path:
+    """Local copies of adapter folders read from object storage, one per version."""
+    return cache_dir() / "remote"

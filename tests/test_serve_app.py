@@ -43,6 +43,10 @@ def served(tmp_path_factory, tiny_model_dir):
     }
     extra = make_tiny_adapter(tiny_model_dir, root / "a3", 4, ["k_proj", "o_proj"], 3)
     broken = make_broken_adapter(root / "broken")
+    # dynamic_lora_loading_path: adapters no one loaded, served on their first request
+    dynamic = tmp_path_factory.mktemp("dynamic")
+    make_tiny_adapter(tiny_model_dir, dynamic / "d1", 4, ["q_proj", "o_proj"], 5)
+    make_broken_adapter(dynamic / "dbroken")
     port = free_port()
     listening_before = listening()
     start_ray(port)
@@ -53,6 +57,7 @@ def served(tmp_path_factory, tiny_model_dir):
             "num_replicas": "2",
             "num_cpus": "0.5",
             "adapter_roots": str(root),
+            "dynamic_lora_loading_path": str(dynamic),
             "report_interval_s": "1",
             "routing_stats_period_s": "1",
             **{k: str(v) for k, v in ENGINE.items()},
@@ -63,6 +68,7 @@ def served(tmp_path_factory, tiny_model_dir):
             "adapters": {k: str(v) for k, v in adapters.items()},
             "extra": str(extra),
             "broken": str(broken),
+            "dynamic": dynamic,
             "root": root,
             "listening_before": listening_before,
         }
@@ -78,8 +84,9 @@ def offline(tiny_model_dir, served):
     llm = LLM(tiny_model_dir, **ENGINE)
     params = SamplingParams(temperature=0, max_tokens=12)
     refs = {}
-    for i, name in enumerate([None, "a1", "a2"]):
-        lora = None if name is None else LoRARequest(name, i, served["adapters"][name])
+    paths = {**served["adapters"], "d1": str(served["dynamic"] / "d1")}
+    for i, name in enumerate([None, "a1", "a2", "d1"]):
+        lora = None if name is None else LoRARequest(name, i, paths[name])
         refs[(name, "completion")] = llm.generate(PROMPT, params, lora_request=lora)[0]
         refs[(name, "chat")] = llm.chat(CHAT, params, lora_request=lora)[0]
     return {k: v.outputs[0].text for k, v in refs.items()}
@@ -363,3 +370,20 @@ def test_prefix_cache_hits_reach_usage_and_stats(served, client):
     queries = sum(s["prefix_cache_queries"] for s in stats.values())
     assert 0 < hits < queries
     assert all(0 <= s["prefix_cache_hit_rate"] <= 1 for s in stats.values())
+
+
+def test_dynamic_loading_path_serves_an_adapter_on_its_first_request(served, client, offline):
+    """`d1` was never loaded: its first request has a replica load <dynamic path>/d1 and the
+    ingress register it, and it answers what the offline engine makes with that folder."""
+    assert "d1" not in {m.id for m in client.models.list().data}
+    base = client.models.list().data[0].id
+    out = client.completions.create(model=f"{base}:d1", prompt=PROMPT, max_tokens=12, temperature=0)
+    assert out.choices[0].text == offline[("d1", "completion")]
+    assert offline[("d1", "completion")] != offline[(None, "completion")]
+    assert "d1" in {m.id for m in client.models.list().data}
+    out = client.completions.create(model="d1", prompt=PROMPT, max_tokens=12, temperature=0)
+    assert out.choices[0].text == offline[("d1", "completion")]
+    with httpx.Client(base_url=served["url"], timeout=120) as http:
+        for model, status in [("d-nothing", 404), ("dbroken", 400), ("../root/a1", 404)]:
+            _error(http.post("/v1/completions", json={"model": model, "prompt": "x"}), status)
+    assert {"d-nothing", "dbroken"}.isdisjoint(m.id for m in client.models.list().data)

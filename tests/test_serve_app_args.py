@@ -39,6 +39,24 @@ def test_build_app_args():
     assert serve_app.build_app({"num_replicas": "1"}) is not None
 
 
+def test_object_storage_urls_in_paths_and_adapters():
+    """A URL is one root (not split at its ':' as folders are at os.pathsep) and an adapter
+    at a URL is not checked as a local folder at build time (its replica reads it)."""
+    import serve_app
+
+    _, opts = serve_app.parse_args(
+        {
+            "adapter_roots": "s3://bucket/loras/,/x:/y,gs://b/l",
+            "adapters": "a=s3://bucket/loras/a",
+            "dynamic_lora_loading_path": "s3://bucket/loras",
+        }
+    )
+    assert opts["adapter_roots"] == ["s3://bucket/loras/", "/x", "/y", "gs://b/l"]
+    assert opts["adapters"] == {"a": "s3://bucket/loras/a"}
+    assert opts["dynamic_lora_loading_path"] == "s3://bucket/loras"
+    assert serve_app.parse_args({})[1]["dynamic_lora_loading_path"] is None
+
+
 def test_router_kwargs_bound_a_replica_by_its_batch():
     import dataclasses
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine import hub
+from engine import hub, remote
 from engine.lora.errors import LoRANotFoundError
 from engine.lora.peft_config import (
     BIN_NAME,
@@ -122,9 +122,16 @@ def _unpack_adapter(fields: dict, index: PackIndex, flat: np.ndarray) -> LoRAAda
 
 
 def resolve_adapter_dir(lora_path: str, name: str) -> Path:
-    """The local folder of the adapter: the folder itself, or a Hub snapshot."""
+    """The local folder of the adapter: the folder itself, a Hub snapshot, or a local copy
+    of an object-storage folder (`s3://...`, engine/remote.py)."""
     if not isinstance(lora_path, str) or not lora_path.strip():
         raise LoRANotFoundError(f"LoRA adapter {name!r}: empty lora_path", name)
+    if remote.is_url(lora_path):
+        try:
+            wanted = [CONFIG_NAME, SAFETENSORS_NAME, BIN_NAME]
+            return remote.fetch_folder(lora_path, wanted, CONFIG_NAME, f"LoRA adapter {name!r}")
+        except FileNotFoundError as e:
+            raise LoRANotFoundError(str(e), name) from e
     expanded = Path(os.path.expanduser(lora_path))
     if expanded.is_dir():
         return expanded

@@ -1,0 +1,105 @@
+"""Object storage: the one place raylora reads an adapter folder from a URL.
+
+An adapter's ``lora_path`` (or a serve app's ``dynamic_lora_loading_path``) may be a URL of
+any file system fsspec knows: ``s3://bucket/loras/sql`` (with ``s3fs`` installed),
+``gs://`` (``gcsfs``), ``az://`` / ``abfs://`` (``adlfs``), as Ray Serve LLM and LoRAX take
+them. ``fetch_folder`` copies the files a caller asks for into the local cache,
+
+    <cache>/remote/<sha256 of the URL and of what the store says of each file>/
+
+once per version: the key holds each file's size and its ETag or modification time as the
+store lists them, so a folder overwritten in the bucket is fetched again and an unchanged
+one is read from the local copy. Credentials and endpoints are the file system's own (for
+S3, boto's: ``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, an instance role...). Errors are
+FileNotFoundError naming the URL and what to do; the callers turn them into "adapter not
+found" (a 404), as they do the Hub's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from engine import paths
+
+_URL = re.compile(r"^([a-z][a-z0-9+.-]*)://")
+
+# the package that gives fsspec each common protocol: named in the error when it is missing
+PROTOCOL_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs"}
+PROTOCOL_PACKAGES |= {"abfs": "adlfs", "abfss": "adlfs"}
+
+
+def is_url(spec: object) -> bool:
+    """True for ``scheme://...`` (a Hub repo id or a local path never has one)."""
+    return isinstance(spec, str) and bool(_URL.match(spec))
+
+
+def join(base: str, name: str) -> str:
+    """``base`` (a URL or a local folder) and one more path component."""
+    return f"{base.rstrip('/')}/{name}" if is_url(base) else os.path.join(base, name)
+
+
+def _filesystem(url: str) -> tuple[Any, str]:
+    protocol = _URL.match(url).group(1)  # type: ignore[union-attr]  # is_url checked
+    try:
+        import fsspec
+
+        return fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as e:  # fsspec raises ValueError for unknown protocols
+        package = PROTOCOL_PACKAGES.get(protocol)
+        hint = f" (pip install {package})" if package else ""
+        raise FileNotFoundError(
+            f"cannot read {url!r}: no file system for {protocol}://{hint}: {e}"
+        ) from e
+
+
+def _version(entry: dict[str, Any]) -> str:
+    """What the store says changes when the file does (ETag, generation, mtime), and size."""
+    keys = ("ETag", "etag", "md5Hash", "generation", "LastModified", "mtime", "size")
+    return json.dumps({k: str(entry[k]) for k in keys if k in entry}, sort_keys=True)
+
+
+def fetch_folder(url: str, wanted: list[str], required: str, what: str) -> Path:
+    """A local copy of the files named in ``wanted`` (those present) of the folder at ``url``.
+
+    ``required`` must be among them, else FileNotFoundError; ``what`` names the folder in
+    errors. Copies are made in a temporary folder and renamed into place, so concurrent
+    fetches of one version (two replicas on a node, two threads) leave one whole copy."""
+    url = url.rstrip("/")  # one folder, one key, with or without the slash
+    fs, root = _filesystem(url)
+    root = root.rstrip("/")
+    try:
+        fs.invalidate_cache(root)  # a listing cached by an earlier read would hide new versions
+        listing = {Path(e["name"]).name: e for e in fs.ls(root, detail=True)}
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{what}: {url!r} does not exist") from e
+    except Exception as e:  # credentials, the network, a bucket that is not there
+        raise FileNotFoundError(f"{what}: cannot list {url!r}: {type(e).__name__}: {e}") from e
+    present = [f for f in wanted if f in listing and listing[f].get("type") != "directory"]
+    if required not in present:
+        raise FileNotFoundError(f"{what}: {url!r} has no {required}")
+    key = hashlib.sha256(
+        json.dumps([url, [(f, _version(listing[f])) for f in present]]).encode()
+    ).hexdigest()[:32]
+    dest = paths.remote_dir() / key
+    if dest.is_dir():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=dest.parent))
+    try:
+        for f in present:
+            fs.get_file(f"{root}/{f}", str(tmp / f))
+        os.replace(tmp, dest)  # atomic; fails if another fetch got there first
+    except Exception as e:
+        if not dest.is_dir():
+            msg = f"{what}: reading {url!r} failed: {type(e).__name__}: {e}"
+            raise FileNotFoundError(msg) from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest

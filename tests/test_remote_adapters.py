@@ -1,0 +1,132 @@
+"""Adapters from object storage (engine/remote.py): an S3 bucket served over HTTP on loopback
+by moto's S3 server and read by s3fs as from AWS (the endpoint from AWS_ENDPOINT_URL, as a
+user points boto at MinIO). The reference is the same adapter read from its local folder."""
+
+import os
+
+import pytest
+import torch
+
+from engine.lora.adapter import load_adapter, resolve_adapter_dir
+from engine.lora.errors import LoRANotFoundError
+from engine.lora.peft_config import LoRAModelSpec
+from tests.serve_fixtures import free_port, make_tiny_adapter
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A bucket `loras` on a moto S3 server, and an s3fs file system on it."""
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        fs = s3fs.S3FileSystem()
+        fs.mkdir("loras")
+        yield fs
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        s3fs.S3FileSystem.clear_instance_cache()
+        server.stop()
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAYLORA_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "remote"
+
+
+def _upload(fs, folder, key: str) -> str:
+    for f in os.listdir(folder):
+        fs.put_file(str(folder / f), f"loras/{key}/{f}")
+    return f"s3://loras/{key}"
+
+
+def _spec(model_dir: str) -> LoRAModelSpec:
+    from transformers import AutoConfig
+
+    return LoRAModelSpec.from_hf_config(AutoConfig.from_pretrained(model_dir), max_lora_rank=16)
+
+
+def _same_weights(a, b) -> bool:
+    return a.weights.keys() == b.weights.keys() and all(
+        torch.equal(x, y)
+        for k in a.weights
+        for x, y in zip(a.weights[k], b.weights[k], strict=True)
+    )
+
+
+def test_adapter_from_s3_equals_its_local_folder_and_is_fetched_once(
+    s3, cache, tiny_model_dir, tmp_path
+):
+    local = make_tiny_adapter(tiny_model_dir, tmp_path / "a", 4, ["q_proj", "v_proj"], 1)
+    url = _upload(s3, local, "a")
+    spec = _spec(tiny_model_dir)
+    remote = load_adapter(url, "a", spec)
+    assert _same_weights(remote, load_adapter(str(local), "a", spec))
+    assert remote.source == url and remote.rank == 4
+    folder = resolve_adapter_dir(url, "a")
+    assert folder.parent == cache and len(os.listdir(cache)) == 1
+    # the config and weights, byte for byte; nothing else of the folder (a README)
+    assert sorted(os.listdir(folder)) == ["adapter_config.json", "adapter_model.safetensors"]
+    for f in os.listdir(folder):
+        assert (folder / f).read_bytes() == (local / f).read_bytes()
+    # unchanged in the bucket: read from the local copy (the same folder, nothing new)
+    assert resolve_adapter_dir(url + "/", "a") == folder and len(os.listdir(cache)) == 1
+    # overwritten in the bucket: fetched again
+    other = make_tiny_adapter(tiny_model_dir, tmp_path / "b", 4, ["q_proj", "v_proj"], 2)
+    _upload(s3, other, "a")
+    again = load_adapter(url, "a", spec)
+    assert _same_weights(again, load_adapter(str(other), "a", spec))
+    assert not _same_weights(again, remote) and len(os.listdir(cache)) == 2
+
+
+def test_what_is_not_an_adapter_in_the_bucket_is_not_found(s3, cache, tiny_model_dir, tmp_path):
+    local = make_tiny_adapter(tiny_model_dir, tmp_path / "c", 4, ["q_proj"], 3)
+    s3.put_file(
+        str(local / "adapter_model.safetensors"), "loras/weights-only/adapter_model.safetensors"
+    )
+    for url, says in [
+        ("s3://loras/nope", "does not exist"),
+        ("s3://no-such-bucket/x", "s3://no-such-bucket/x"),
+        ("s3://loras/weights-only", "has no adapter_config.json"),
+        ("nosuchfs://loras/x", "no file system for nosuchfs://"),
+    ]:
+        with pytest.raises(LoRANotFoundError, match=says):
+            resolve_adapter_dir(url, "x")
+    assert not cache.exists() or os.listdir(cache) == []
+
+
+def test_engine_serves_an_s3_adapter_as_it_serves_the_local_folder(
+    s3, cache, tiny_model_dir, tmp_path
+):
+    from engine import LLM, LoRARequest, SamplingParams
+
+    local = make_tiny_adapter(tiny_model_dir, tmp_path / "d", 8, ["q_proj", "down_proj"], 4)
+    url = _upload(s3, local, "d")
+    llm = LLM(tiny_model_dir, max_loras=2, max_cpu_loras=2, num_kv_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    outs = [
+        llm.generate("Hello there", params, lora_request=LoRARequest(name, i + 1, path))[0]
+        for i, (name, path) in enumerate([("d-local", str(local)), ("d-s3", url)])
+    ]
+    base = llm.generate("Hello there", params)[0]
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    assert outs[0].outputs[0].token_ids != base.outputs[0].token_ids  # the adapter matters
