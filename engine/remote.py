@@ -60,20 +60,15 @@ def _filesystem(url: str) -> tuple[Any, str]:
 
 
 def _version(entry: dict[str, Any]) -> str:
-    """What the store says changes when the file does (ETag, generation, mtime), and size."""
-    keys = ("ETag", "etag", "md5Hash", "generation", "LastModified", "mtime", "size")
+    """What the store says changes when the file does (ETag, generation, modification time),
+    and its size, as S3 (s3fs), GCS (gcsfs) and Azure (adlfs) list them."""
+    keys = ("ETag", "etag", "md5Hash", "generation", "LastModified", "last_modified", "updated")
+    keys += ("mtime", "size")
     return json.dumps({k: str(entry[k]) for k in keys if k in entry}, sort_keys=True)
 
 
-def fetch_folder(url: str, wanted: list[str], required: str, what: str) -> Path:
-    """A local copy of the files named in ``wanted`` (those present) of the folder at ``url``.
-
-    ``required`` must be among them, else FileNotFoundError; ``what`` names the folder in
-    errors. Copies are made in a temporary folder and renamed into place, so concurrent
-    fetches of one version (two replicas on a node, two threads) leave one whole copy."""
-    url = url.rstrip("/")  # one folder, one key, with or without the slash
-    fs, root = _filesystem(url)
-    root = root.rstrip("/")
+def _versions(fs: Any, root: str, url: str, wanted: list[str], what: str) -> dict[str, str]:
+    """file -> its version, for the files of `wanted` in the folder."""
     try:
         fs.invalidate_cache(root)  # a listing cached by an earlier read would hide new versions
         listing = {Path(e["name"]).name: e for e in fs.ls(root, detail=True)}
@@ -81,25 +76,50 @@ def fetch_folder(url: str, wanted: list[str], required: str, what: str) -> Path:
         raise FileNotFoundError(f"{what}: {url!r} does not exist") from e
     except Exception as e:  # credentials, the network, a bucket that is not there
         raise FileNotFoundError(f"{what}: cannot list {url!r}: {type(e).__name__}: {e}") from e
-    present = [f for f in wanted if f in listing and listing[f].get("type") != "directory"]
-    if required not in present:
-        raise FileNotFoundError(f"{what}: {url!r} has no {required}")
-    key = hashlib.sha256(
-        json.dumps([url, [(f, _version(listing[f])) for f in present]]).encode()
-    ).hexdigest()[:32]
-    dest = paths.remote_dir() / key
-    if dest.is_dir():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=dest.parent))
-    try:
-        for f in present:
-            fs.get_file(f"{root}/{f}", str(tmp / f))
-        os.replace(tmp, dest)  # atomic; fails if another fetch got there first
-    except Exception as e:
-        if not dest.is_dir():
-            msg = f"{what}: reading {url!r} failed: {type(e).__name__}: {e}"
-            raise FileNotFoundError(msg) from e
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+    return {
+        f: _version(listing[f])
+        for f in wanted
+        if f in listing and listing[f].get("type") != "directory"
+    }
+
+
+def fetch_folder(url: str, wanted: list[str], required: str, what: str) -> Path:
+    """A local copy of the files named in ``wanted`` (those present) of the folder at ``url``.
+
+    ``required`` must be among them, else FileNotFoundError; ``what`` names the folder in
+    errors. Copies are made in a temporary folder and renamed into place, so concurrent
+    fetches of one version (two replicas on a node, two threads) leave one whole copy; a
+    folder whose files changed while they were copied is copied again (up to 3 times)."""
+    match = _URL.match(url)
+    if match is None or not url[match.end() :].strip("/"):
+        raise FileNotFoundError(f"{what}: {url!r} names no folder")
+    url = url.rstrip("/")  # one folder, one key, with or without the slash
+    fs, root = _filesystem(url)
+    root = root.rstrip("/")
+    for _ in range(3):
+        versions = _versions(fs, root, url, wanted, what)
+        if required not in versions:
+            raise FileNotFoundError(f"{what}: {url!r} has no {required}")
+        key = hashlib.sha256(json.dumps([url, sorted(versions.items())]).encode()).hexdigest()
+        dest = paths.remote_dir() / key[:32]
+        if dest.is_dir():
+            return dest
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+        try:
+            for f in versions:
+                fs.get_file(f"{root}/{f}", str(tmp / f))
+            if _versions(fs, root, url, wanted, what) != versions:
+                continue  # written meanwhile: the copy may mix two versions
+            os.replace(tmp, dest)  # atomic; fails if another fetch got there first
+            return dest
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            if not dest.is_dir():
+                msg = f"{what}: reading {url!r} failed: {type(e).__name__}: {e}"
+                raise FileNotFoundError(msg) from e
+            return dest
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    raise FileNotFoundError(f"{what}: {url!r} kept changing while it was read; try again")

@@ -130,3 +130,31 @@ def test_engine_serves_an_s3_adapter_as_it_serves_the_local_folder(
     base = llm.generate("Hello there", params)[0]
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
     assert outs[0].outputs[0].token_ids != base.outputs[0].token_ids  # the adapter matters
+
+
+def test_a_folder_written_while_it_is_copied_is_copied_again(
+    s3, cache, tiny_model_dir, tmp_path, monkeypatch
+):
+    """The folder is overwritten (another rank, other modules) after its config was copied and
+    before its weights were: the copy would pair the old config with the new weights."""
+    import fsspec
+
+    old = make_tiny_adapter(tiny_model_dir, tmp_path / "old", 4, ["q_proj"], 6)
+    new = make_tiny_adapter(tiny_model_dir, tmp_path / "new", 8, ["k_proj", "up_proj"], 7)
+    url = _upload(s3, old, "racy")
+    fs = fsspec.core.url_to_fs(url)[0]  # fsspec's cached instance: the one fetch_folder gets
+    real, copied = fs.get_file, []
+
+    def get_file(rpath, lpath, **kwargs):
+        out = real(rpath, lpath, **kwargs)
+        copied.append(rpath)
+        if len(copied) == 1:
+            _upload(s3, new, "racy")
+        return out
+
+    monkeypatch.setattr(fs, "get_file", get_file)
+    spec = _spec(tiny_model_dir)
+    assert _same_weights(load_adapter(url, "racy", spec), load_adapter(str(new), "racy", spec))
+    assert len(copied) == 4 and len(os.listdir(cache)) == 1  # two copies made, one kept
+    with pytest.raises(LoRANotFoundError, match="names no folder"):
+        resolve_adapter_dir("s3://", "x")
