@@ -1,6 +1,6 @@
 """Adapters from object storage (engine/remote.py): an S3 bucket served over HTTP on loopback
-by moto's S3 server and read by s3fs as from AWS (the endpoint from AWS_ENDPOINT_URL, as a
-user points boto at MinIO). The reference is the same adapter read from its local folder."""
+by moto's S3 server and read by s3fs as from AWS (tests/s3_fixtures.py). The reference is the
+same adapter read from its local folder; through the Serve app: tests/test_remote_serve.py."""
 
 import os
 
@@ -10,53 +10,22 @@ import torch
 from engine.lora.adapter import load_adapter, resolve_adapter_dir
 from engine.lora.errors import LoRANotFoundError
 from engine.lora.peft_config import LoRAModelSpec
-from tests.serve_fixtures import free_port, make_tiny_adapter
+from tests.s3_fixtures import moto_s3, upload
+from tests.serve_fixtures import make_tiny_adapter
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
 def s3():
-    """A bucket `loras` on a moto S3 server, and an s3fs file system on it."""
-    import s3fs
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    s3fs.S3FileSystem.clear_instance_cache()
-    try:
-        fs = s3fs.S3FileSystem()
-        fs.mkdir("loras")
+    with moto_s3() as fs:
         yield fs
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        s3fs.S3FileSystem.clear_instance_cache()
-        server.stop()
 
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("RAYLORA_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache" / "remote"
-
-
-def _upload(fs, folder, key: str) -> str:
-    for f in os.listdir(folder):
-        fs.put_file(str(folder / f), f"loras/{key}/{f}")
-    return f"s3://loras/{key}"
 
 
 def _spec(model_dir: str) -> LoRAModelSpec:
@@ -77,7 +46,7 @@ def test_adapter_from_s3_equals_its_local_folder_and_is_fetched_once(
     s3, cache, tiny_model_dir, tmp_path
 ):
     local = make_tiny_adapter(tiny_model_dir, tmp_path / "a", 4, ["q_proj", "v_proj"], 1)
-    url = _upload(s3, local, "a")
+    url = upload(s3, local, "a")
     spec = _spec(tiny_model_dir)
     remote = load_adapter(url, "a", spec)
     assert _same_weights(remote, load_adapter(str(local), "a", spec))
@@ -92,7 +61,7 @@ def test_adapter_from_s3_equals_its_local_folder_and_is_fetched_once(
     assert resolve_adapter_dir(url + "/", "a") == folder and len(os.listdir(cache)) == 1
     # overwritten in the bucket: fetched again
     other = make_tiny_adapter(tiny_model_dir, tmp_path / "b", 4, ["q_proj", "v_proj"], 2)
-    _upload(s3, other, "a")
+    upload(s3, other, "a")
     again = load_adapter(url, "a", spec)
     assert _same_weights(again, load_adapter(str(other), "a", spec))
     assert not _same_weights(again, remote) and len(os.listdir(cache)) == 2
@@ -120,7 +89,7 @@ def test_engine_serves_an_s3_adapter_as_it_serves_the_local_folder(
     from engine import LLM, LoRARequest, SamplingParams
 
     local = make_tiny_adapter(tiny_model_dir, tmp_path / "d", 8, ["q_proj", "down_proj"], 4)
-    url = _upload(s3, local, "d")
+    url = upload(s3, local, "d")
     llm = LLM(tiny_model_dir, max_loras=2, max_cpu_loras=2, num_kv_blocks=64)
     params = SamplingParams(temperature=0, max_tokens=8)
     outs = [
@@ -141,7 +110,7 @@ def test_a_folder_written_while_it_is_copied_is_copied_again(
 
     old = make_tiny_adapter(tiny_model_dir, tmp_path / "old", 4, ["q_proj"], 6)
     new = make_tiny_adapter(tiny_model_dir, tmp_path / "new", 8, ["k_proj", "up_proj"], 7)
-    url = _upload(s3, old, "racy")
+    url = upload(s3, old, "racy")
     fs = fsspec.core.url_to_fs(url)[0]  # fsspec's cached instance: the one fetch_folder gets
     real, copied = fs.get_file, []
 
@@ -149,7 +118,7 @@ def test_a_folder_written_while_it_is_copied_is_copied_again(
         out = real(rpath, lpath, **kwargs)
         copied.append(rpath)
         if len(copied) == 1:
-            _upload(s3, new, "racy")
+            upload(s3, new, "racy")
         return out
 
     monkeypatch.setattr(fs, "get_file", get_file)
