@@ -58,10 +58,12 @@ def _adapters(value: str | dict) -> dict[str, str]:
 
 
 def _paths(value: str | list) -> list[str]:
-    """Comma- (or, between folders, os.pathsep-) separated folders and URLs."""
-    items = value if isinstance(value, list) else str(value).split(",")
+    """A list as it is; a string: comma- (or, between folders, os.pathsep-) separated
+    folders and URLs (a URL is not split at its ':')."""
+    if isinstance(value, list):
+        return [str(p).strip() for p in value if str(p).strip()]
     out = []
-    for item in (str(p).strip() for p in items):
+    for item in (p.strip() for p in str(value).split(",")):
         out += [item] if remote.is_url(item) else [p.strip() for p in item.split(os.pathsep)]
     return [p for p in out if p]
 
