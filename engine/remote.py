@@ -5,11 +5,13 @@ any file system fsspec knows: ``s3://bucket/loras/sql`` (with ``s3fs`` installed
 ``gs://`` (``gcsfs``), ``az://`` / ``abfs://`` (``adlfs``), as Ray Serve LLM and LoRAX take
 them. ``fetch_folder`` copies the files a caller asks for into the local cache,
 
-    <cache>/remote/<sha256 of the URL and of what the store says of each file>/
+    <cache>/remote/<hash of the URL>-<hash of what the store says of each file>/
 
-once per version: the key holds each file's size and its ETag or modification time as the
-store lists them, so a folder overwritten in the bucket is fetched again and an unchanged
-one is read from the local copy. Credentials and endpoints are the file system's own (for
+once per version: the second hash holds each file's size and its ETag or modification time
+as the store lists them, so a folder overwritten in the bucket is fetched again and an
+unchanged one is read from the local copy. A new copy removes the URL's other copies that no
+read has used for PRUNE_AFTER_S (a copy's mtime is its last use; a read that old is over), so
+the cache holds about one copy per folder, not one per version ever fetched. Credentials and endpoints are the file system's own (for
 S3, boto's: ``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, an instance role...). Errors are
 FileNotFoundError naming the URL and what to do; the callers turn them into "adapter not
 found" (a 404), as they do the Hub's.
@@ -23,12 +25,14 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 from engine import paths
 
 _URL = re.compile(r"^([a-z][a-z0-9+.-]*)://")
+PRUNE_AFTER_S = 600.0  # a copy unused this long is removed when its folder's next version lands
 
 # the package that gives fsspec each common protocol: named in the error when it is missing
 PROTOCOL_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs"}
@@ -100,9 +104,10 @@ def fetch_folder(url: str, wanted: list[str], required: str, what: str) -> Path:
         versions = _versions(fs, root, url, wanted, what)
         if required not in versions:
             raise FileNotFoundError(f"{what}: {url!r} has no {required}")
-        key = hashlib.sha256(json.dumps([url, sorted(versions.items())]).encode()).hexdigest()
-        dest = paths.remote_dir() / key[:32]
+        version = json.dumps([url, sorted(versions.items())])
+        dest = paths.remote_dir() / f"{_hash(url)}-{_hash(version)}"
         if dest.is_dir():
+            _touch(dest)
             return dest
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
@@ -112,6 +117,8 @@ def fetch_folder(url: str, wanted: list[str], required: str, what: str) -> Path:
             if _versions(fs, root, url, wanted, what) != versions:
                 continue  # written meanwhile: the copy may mix two versions
             os.replace(tmp, dest)  # atomic; fails if another fetch got there first
+            _touch(dest)
+            _prune_older(url, dest)
             return dest
         except FileNotFoundError:
             raise
@@ -123,3 +130,26 @@ def fetch_folder(url: str, wanted: list[str], required: str, what: str) -> Path:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     raise FileNotFoundError(f"{what}: {url!r} kept changing while it was read; try again")
+
+
+def _hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _touch(copy: Path) -> None:
+    """Mark `copy` used now (_prune_older keeps copies used lately)."""
+    try:
+        os.utime(copy)
+    except OSError:  # pruned meanwhile by another process: the read will say so
+        pass
+
+
+def _prune_older(url: str, keep: Path) -> None:
+    """Remove the other copies of `url`'s folder unused for PRUNE_AFTER_S."""
+    now = time.time()
+    for old in keep.parent.glob(f"{_hash(url)}-*"):
+        try:
+            if old != keep and now - old.stat().st_mtime > PRUNE_AFTER_S:
+                shutil.rmtree(old)
+        except OSError:  # another process pruned or is pruning it
+            pass

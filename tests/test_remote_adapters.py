@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+import engine.remote
 from engine.lora.adapter import load_adapter, resolve_adapter_dir
 from engine.lora.errors import LoRANotFoundError
 from engine.lora.peft_config import LoRAModelSpec
@@ -43,7 +44,7 @@ def _same_weights(a, b) -> bool:
 
 
 def test_adapter_from_s3_equals_its_local_folder_and_is_fetched_once(
-    s3, cache, tiny_model_dir, tmp_path
+    s3, cache, tiny_model_dir, tmp_path, monkeypatch
 ):
     local = make_tiny_adapter(tiny_model_dir, tmp_path / "a", 4, ["q_proj", "v_proj"], 1)
     url = upload(s3, local, "a")
@@ -64,7 +65,16 @@ def test_adapter_from_s3_equals_its_local_folder_and_is_fetched_once(
     upload(s3, other, "a")
     again = load_adapter(url, "a", spec)
     assert _same_weights(again, load_adapter(str(other), "a", spec))
-    assert not _same_weights(again, remote) and len(os.listdir(cache)) == 2
+    assert (
+        not _same_weights(again, remote) and len(os.listdir(cache)) == 2
+    )  # the old one used lately
+    # a third version lands when the others were last used over PRUNE_AFTER_S ago: they go
+    monkeypatch.setattr(engine.remote, "PRUNE_AFTER_S", 0.0)
+    newest = make_tiny_adapter(tiny_model_dir, tmp_path / "c", 4, ["q_proj", "v_proj"], 8)
+    upload(s3, newest, "a")  # other bytes (the same bytes within a second are one version)
+    third = resolve_adapter_dir(url, "a")
+    assert os.listdir(cache) == [third.name] and (third / "adapter_config.json").is_file()
+    assert _same_weights(load_adapter(url, "a", spec), load_adapter(str(newest), "a", spec))
 
 
 def test_what_is_not_an_adapter_in_the_bucket_is_not_found(s3, cache, tiny_model_dir, tmp_path):
