@@ -45,8 +45,13 @@ class DynamicAdapters:
         flight = self._flights.get(name)
         if flight is None:
             flight = self._flights[name] = asyncio.ensure_future(self._load_and_register(name))
-            flight.add_done_callback(lambda _: self._flights.pop(name, None))
+            flight.add_done_callback(lambda done: self._landed(name, done))
         return await asyncio.shield(flight)  # a caller going away leaves the load to the rest
+
+    def _landed(self, name: str, flight: asyncio.Future) -> None:
+        self._flights.pop(name, None)
+        if not flight.cancelled():
+            flight.exception()  # seen: a failure whose callers all went away is not "lost"
 
     async def _load_and_register(self, name: str) -> bool:
         try:
