@@ -238,6 +238,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         report_multiplexed_ids=opts["report_multiplexed_ids"],
         shared_adapter_tier=opts["shared_adapter_tier"],
         shared_tier_bytes=shared_tier_bytes,
+        dynamic_lora_loading_path=opts["dynamic_lora_loading_path"],
     )
     ingress = serve.deployment(
         serve.ingress()(Ingress),

@@ -6,7 +6,9 @@ does the same for a bare name. The ingress does it here: a model naming no adapt
 catalog (after a fresh listing) is looked up as `<path>/<name>`; a replica loads it (reading
 it, from object storage too, and validating it against the base model, as
 `/v1/load_lora_adapter` does) and it is registered, so every replica and ingress then serves
-it like any loaded adapter. The path is the operator's, so it needs no `adapter_roots`; a
+it like any loaded adapter. A replica does the same for a handle caller that names an
+adapter by its multiplexed model id without the ingress (`for_replica`), as Ray Serve LLM's
+multiplexed loader does. The path is the operator's, so it needs no `adapter_roots`; a
 name is used only if it is one folder name (no `/`, no leading `.`, no `:`), so a request
 cannot reach outside the path.
 """
@@ -14,11 +16,15 @@ cannot reach outside the path.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from deployments.protocol import APIError
 from engine.remote import join
+
+logger = logging.getLogger("ray.serve")
 
 # one path component, as a folder or object name: no "/", no leading "." (so not ".."), no
 # ":" (`<base>:<name>` is split before; "prefix:" is the router's mark of a prefix key)
@@ -63,3 +69,28 @@ class DynamicAdapters:
             raise error from None
         await self._register(name, spec)
         return True
+
+
+def for_replica(path: str | None, load: Load, reporter: Any) -> DynamicAdapters | None:
+    """An LLMServer's: `load` is its own (which puts the adapter in its catalog), and the
+    adapter is registered with the registry its `reporter` holds. A registry that is down
+    does not fail the request: the replica's reports teach it the adapter later."""
+    if not path:
+        return None
+
+    async def register(name: str, spec: dict) -> None:
+        from deployments.ingress import ActorRegistry
+
+        if reporter.registry is None:
+            return
+        try:
+            await asyncio.wait_for(
+                ActorRegistry(reporter.registry).register_adapter(name, spec), 10
+            )
+        except Exception as e:
+            logger.warning("raylora: registering %r with the registry failed: %s", name, e)
+
+    def as_api_error(e: BaseException) -> APIError:
+        return e if isinstance(e, APIError) else APIError(500, f"{type(e).__name__}: {e}")
+
+    return DynamicAdapters(path, load, register, as_api_error)

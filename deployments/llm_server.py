@@ -37,6 +37,7 @@ from typing import Any
 
 from ray import serve
 
+from deployments.dynamic_adapters import for_replica
 from deployments.gc_heap import full_collections
 from deployments.grpc_bind import bind_replica_grpc_to_node_ip
 from deployments.multiplexed_ids import MultiplexedIdReporter, push_for_this_replica
@@ -84,6 +85,7 @@ class LLMServer:
         read_adapters_in_step: bool = False,
         shared_adapter_tier: bool = True,
         shared_tier_bytes: int | None = None,  # the registry's budget, if this creates it
+        dynamic_lora_loading_path: str | None = None,  # names the catalog lacks: <path>/<name>
     ) -> None:
         from engine import AsyncLLMEngine, EngineConfig
 
@@ -92,10 +94,9 @@ class LLMServer:
         self.engine = AsyncLLMEngine(config)
         self._max_loras = int(config.max_loras)
         self._max_num_seqs = int(config.max_num_seqs)
-        # Eviction of slots and CPU cache: "frequency" = the idle adapter this replica was
-        # asked for least (decayed counts); "lru" = vLLM's. read_adapters_in_step: skip the
-        # read in a worker thread, so the engine reads a missing adapter inside the step, as
-        # vLLM does (benchmarks/routing.py's peer arm).
+        # Eviction of slots and CPU cache: "frequency" = the idle adapter this replica was asked
+        # for least (decayed counts); "lru" = vLLM's. read_adapters_in_step: the engine reads a
+        # missing adapter inside the step, as vLLM does (benchmarks/routing.py's peer arm).
         if adapter_eviction not in ("frequency", "lru"):
             raise ValueError(f"adapter_eviction must be frequency or lru, got {adapter_eviction!r}")
         self._adapter_counts: AdapterPopularity | None = None
@@ -128,8 +129,8 @@ class LLMServer:
             get_registry=lambda: get_registry_or_none(registry_state_file, shared_tier_bytes),
         )
         await self.reporter.start()
-        # an adapter another replica read is fetched from the object store, not read again
-        # (deployments/shared_adapters.py); not on the in-step read path (the peer's arm)
+        self._dynamic = for_replica(dynamic_lora_loading_path, self.load_adapter, self.reporter)
+        # what another replica read comes from the object store (not on the peer's in-step path)
         if shared_adapter_tier and not self._read_in_step and self.reporter.registry is not None:
             registry = self.reporter.registry
             tier = RayAdapterTier(registry, self.model_name, self.replica_id)
@@ -273,8 +274,10 @@ class LLMServer:
         from engine import LoRARequest
 
         entry = self.reporter.catalog.get(name)
-        if entry is None:
+        if entry is None:  # registered a moment ago? else under dynamic_lora_loading_path?
             await self.reporter.refresh_catalog()
+            if name not in self.reporter.catalog and self._dynamic is not None:
+                await self._dynamic.serve(name)  # loaded here (into the catalog) and registered
             entry = self.reporter.catalog.get(name)
         if entry is None:
             msg = f"The model `{name}` does not exist."

@@ -46,6 +46,7 @@ def served(tmp_path_factory, tiny_model_dir):
     # dynamic_lora_loading_path: adapters no one loaded, served on their first request
     dynamic = tmp_path_factory.mktemp("dynamic")
     make_tiny_adapter(tiny_model_dir, dynamic / "d1", 4, ["q_proj", "o_proj"], 5)
+    make_tiny_adapter(tiny_model_dir, dynamic / "d2", 8, ["v_proj", "gate_proj"], 6)
     make_broken_adapter(dynamic / "dbroken")
     port = free_port()
     listening_before = listening()
@@ -84,8 +85,8 @@ def offline(tiny_model_dir, served):
     llm = LLM(tiny_model_dir, **ENGINE)
     params = SamplingParams(temperature=0, max_tokens=12)
     refs = {}
-    paths = {**served["adapters"], "d1": str(served["dynamic"] / "d1")}
-    for i, name in enumerate([None, "a1", "a2", "d1"]):
+    paths = {**served["adapters"], **{d: str(served["dynamic"] / d) for d in ("d1", "d2")}}
+    for i, name in enumerate([None, "a1", "a2", "d1", "d2"]):
         lora = None if name is None else LoRARequest(name, i, paths[name])
         refs[(name, "completion")] = llm.generate(PROMPT, params, lora_request=lora)[0]
         refs[(name, "chat")] = llm.chat(CHAT, params, lora_request=lora)[0]
@@ -387,3 +388,24 @@ def test_dynamic_loading_path_serves_an_adapter_on_its_first_request(served, cli
         for model, status in [("d-nothing", 404), ("dbroken", 400), ("../root/a1", 404)]:
             _error(http.post("/v1/completions", json={"model": model, "prompt": "x"}), status)
     assert {"d-nothing", "dbroken"}.isdisjoint(m.id for m in client.models.list().data)
+
+
+def test_dynamic_loading_path_serves_a_handle_caller_without_the_ingress(served, client, offline):
+    """A handle call to LLMServer naming `d2` (never loaded) by its multiplexed model id, as
+    Ray Serve LLM's multiplexed loader takes one: the replica loads <dynamic path>/d2 and
+    registers it (the ingress then lists it); an id with nothing there is a 404."""
+    from ray import serve
+
+    from deployments.protocol import APIError, GenerateRequest, SamplingSpec
+
+    handle = serve.get_deployment_handle("LLMServer", app_name=APP)
+    spec = SamplingSpec(max_tokens=12, temperature=0)
+    request = GenerateRequest(uuid.uuid4().hex, spec, prompt=PROMPT)
+    out = handle.options(multiplexed_model_id="d2").complete.remote(request).result()
+    assert out.outputs[0].text == offline[("d2", "completion")]
+    assert offline[("d2", "completion")] not in {offline[(n, "completion")] for n in (None, "d1")}
+    assert "d2" in {m.id for m in client.models.list().data}
+    with pytest.raises(APIError) as e:
+        request = GenerateRequest(uuid.uuid4().hex, spec, prompt=PROMPT)
+        handle.options(multiplexed_model_id="d-nothing").complete.remote(request).result()
+    assert e.value.status == 404
