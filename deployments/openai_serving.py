@@ -73,13 +73,20 @@ def map_exception(exc: BaseException) -> APIError:
     return APIError(500, f"Internal error: {type(exc).__name__}: {exc}")
 
 
+def _requested_adapter(model: str, base: str | None) -> str:
+    """The adapter name `model` asks for: what follows `<base>:` (Ray Serve LLM), else
+    `model` itself (vLLM)."""
+    prefix, sep, adapter = model.partition(":")
+    return adapter if sep and prefix == base else model
+
+
 def _adapter_named(model: str, base: str | None, catalog: dict[str, dict]) -> str | None:
-    """The catalog's adapter that `model` names, as itself (vLLM) or as `<base>:<adapter>`
-    (Ray Serve LLM); None if neither."""
+    """The catalog's adapter that `model` names, as itself or as `<base>:<adapter>`; None if
+    neither."""
     if model in catalog:
         return model
-    prefix, sep, adapter = model.partition(":")
-    return adapter if sep and prefix == base and adapter in catalog else None
+    name = _requested_adapter(model, base)
+    return name if name in catalog else None
 
 
 class OpenAIServing:
@@ -179,7 +186,7 @@ class OpenAIServing:
                     break
                 await asyncio.sleep(RECOVERY_POLL_S)
             refresh = True
-        name = model[len(base) + 1 :] if model.startswith(f"{base}:") else model
+        name = _requested_adapter(model, base)
         if self.dynamic is not None and await self.dynamic.serve(name):
             return name  # loaded from dynamic_lora_loading_path and registered
         raise APIError(

@@ -11,10 +11,10 @@ once per version: the second hash holds each file's size and its ETag or modific
 as the store lists them, so a folder overwritten in the bucket is fetched again and an
 unchanged one is read from the local copy. A new copy removes the URL's other copies that no
 read has used for PRUNE_AFTER_S (a copy's mtime is its last use; a read that old is over), so
-the cache holds about one copy per folder, not one per version ever fetched. Credentials and endpoints are the file system's own (for
-S3, boto's: ``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, an instance role...). Errors are
-FileNotFoundError naming the URL and what to do; the callers turn them into "adapter not
-found" (a 404), as they do the Hub's.
+the cache holds about one copy per folder, not one per version ever fetched. Credentials and
+endpoints are the file system's own (for S3, boto's: ``AWS_ACCESS_KEY_ID``,
+``AWS_ENDPOINT_URL``, an instance role...). Errors are FileNotFoundError naming the URL and
+what to do; the callers turn them into "adapter not found" (a 404), as they do the Hub's.
 """
 
 from __future__ import annotations

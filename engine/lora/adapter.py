@@ -121,6 +121,11 @@ def _unpack_adapter(fields: dict, index: PackIndex, flat: np.ndarray) -> LoRAAda
 # Finding the adapter
 
 
+# what a PEFT adapter folder holds that the loader reads (a Hub snapshot or an object-storage
+# copy fetches only these; source_stamp identifies the folder by them)
+ADAPTER_FILES = (CONFIG_NAME, SAFETENSORS_NAME, BIN_NAME)
+
+
 def resolve_adapter_dir(lora_path: str, name: str) -> Path:
     """The local folder of the adapter: the folder itself, a Hub snapshot, or a local copy
     of an object-storage folder (`s3://...`, engine/remote.py)."""
@@ -128,8 +133,8 @@ def resolve_adapter_dir(lora_path: str, name: str) -> Path:
         raise LoRANotFoundError(f"LoRA adapter {name!r}: empty lora_path", name)
     if remote.is_url(lora_path):
         try:
-            wanted = [CONFIG_NAME, SAFETENSORS_NAME, BIN_NAME]
-            return remote.fetch_folder(lora_path, wanted, CONFIG_NAME, f"LoRA adapter {name!r}")
+            what = f"LoRA adapter {name!r}"
+            return remote.fetch_folder(lora_path, list(ADAPTER_FILES), CONFIG_NAME, what)
         except FileNotFoundError as e:
             raise LoRANotFoundError(str(e), name) from e
     expanded = Path(os.path.expanduser(lora_path))
@@ -149,7 +154,7 @@ def _download_from_hub(repo_id: str, name: str) -> Path:
     invalid id's too, is the adapter not found: a request naming it gets a 404, not a 500."""
     what = f"LoRA adapter {name!r}: {repo_id!r}"
     try:
-        return hub.snapshot(repo_id, what, [CONFIG_NAME, SAFETENSORS_NAME, BIN_NAME])
+        return hub.snapshot(repo_id, what, list(ADAPTER_FILES))
     except FileNotFoundError as e:
         raise LoRANotFoundError(str(e), name) from e
     except Exception as e:  # HFValidationError, the network
@@ -177,7 +182,7 @@ def source_stamp(lora_path: str) -> tuple | None:
         return None
     recent = time.time_ns() - int(RACY_S * 1e9)
     stamp = []
-    for file in (CONFIG_NAME, SAFETENSORS_NAME, BIN_NAME):
+    for file in ADAPTER_FILES:
         try:
             st = os.stat(folder / file)
         except FileNotFoundError:
